@@ -1,7 +1,52 @@
 """Compute primitives, dispatched by device: Triton kernels on CUDA, the PyTorch
 references of `vllm_sekv.triton_kernels` elsewhere. Callers never pick an
 implementation themselves.
-"""
-from vllm_sekv.triton_kernels.rope.reference import RopeSpec, rotate_keys
 
-__all__ = ["RopeSpec", "rotate_keys"]
+* `rotate_keys(keys, delta_positions, rope)`: pure rotation (reference only).
+* `score_blocks(queries, index, num_blocks=None, combine="max")`: Mean-K block
+  relevance `R[num_blocks]` float32 (see `triton_kernels/scoring/reference.py`).
+* `select_blocks(scores, k, sink_blocks, recent_blocks, ...)`: sorted block ids.
+* `scatter_rerope(staging, key_caches, value_caches, slot_mapping,
+  delta_positions, rope, src_rows=None)`: staged blocks -> paged caches, K
+  re-RoPE'd (see `triton_kernels/rope/scatter_reference.py`).
+
+Triton modules are imported lazily, so CPU-only installs never import Triton.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from vllm_sekv.triton_kernels.rope.reference import RopeSpec, rotate_keys
+from vllm_sekv.triton_kernels.rope import scatter_reference as _scatter_ref
+from vllm_sekv.triton_kernels.scoring import reference as _scoring_ref
+from vllm_sekv.triton_kernels.scoring.select import select_blocks
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda
+
+
+def score_blocks(queries: torch.Tensor, index: torch.Tensor, num_blocks: int | None = None,
+                 combine: str = "max") -> torch.Tensor:
+    """Mean-K block scores; Triton on CUDA, reference elsewhere (same result)."""
+    if _use_triton(queries) and _use_triton(index):
+        from vllm_sekv.triton_kernels.scoring import kernel
+
+        return kernel.score_blocks(queries, index, num_blocks, combine)
+    return _scoring_ref.score_blocks(queries, index, num_blocks, combine)
+
+
+def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                   slot_mapping: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec,
+                   src_rows: torch.Tensor | None = None) -> None:
+    """Scatter + re-RoPE into paged caches; Triton on CUDA, reference elsewhere."""
+    if _use_triton(staging) and key_caches and _use_triton(key_caches[0]):
+        from vllm_sekv.triton_kernels.rope import kernel
+
+        return kernel.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
+    return _scatter_ref.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
+
+
+__all__ = ["RopeSpec", "rotate_keys", "score_blocks", "select_blocks", "scatter_rerope"]
