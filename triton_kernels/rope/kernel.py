@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,9 @@ def rope_cos_sin(delta_positions: torch.Tensor, rope: RopeSpec, device: torch.de
     inv_freq = rope.inv_freq.to(device=device, dtype=torch.float64)
     angles = delta_positions.to(device=device, dtype=torch.float64)[:, None] * inv_freq
     return angles.cos().to(torch.float32).contiguous(), angles.sin().to(torch.float32).contiguous()
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Triton's interpreter
 
 
 @triton.jit
@@ -139,7 +144,7 @@ def scatter_rerope(
     if num_batch_blocks == 0:
         return
     device = key_caches[0].device
-    if not (staging.is_cuda and device == staging.device):
+    if not _INTERPRET and not (staging.is_cuda and device == staging.device):
         raise ValueError("the Triton scatter needs staging and caches on one CUDA device")
     if not staging.is_contiguous():
         raise ValueError("staging must be contiguous")

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,9 @@ import triton.language as tl
 from .reference import check_scoring_args
 
 _LOG2E = 1.4426950408889634
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Triton's interpreter
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ def score_blocks(
     (benchmarks sweep it). Raises ValueError on bad shapes, non-CUDA tensors.
     """
     num_blocks = check_scoring_args(queries, index, num_blocks, combine)
-    if not (queries.is_cuda and index.is_cuda):
+    if not _INTERPRET and not (queries.is_cuda and index.is_cuda):
         raise ValueError("the Triton scoring kernel needs CUDA tensors; use the reference elsewhere")
     if index.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported index dtype {index.dtype}")

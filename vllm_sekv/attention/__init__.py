@@ -1,0 +1,1 @@
+"""Attention hook: wraps the platform attention backend (never copies it)."""

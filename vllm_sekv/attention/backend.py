@@ -1,0 +1,67 @@
+"""The attention hook: the platform attention backend, wrapped.
+
+The wrapper subclasses the platform's backend and impl classes and changes one
+thing: after the platform writes a step's K (post-RoPE) and V into the paged
+cache, it hands the same tensors — `[tokens, kv_heads, head_dim]`, straight
+from the attention layer's inputs — to the active sekv connector's
+`capture_kv(layer, key, value, slot_mapping)`. The paged cache is never parsed
+by hand (its layout is platform-specific; the CPU one is transposed).
+
+`write_kv` is the restore path: the platform's own cache-update op, without
+capture, so restored KV is not captured again.
+
+Runs in the worker process, on the forward thread. With no sekv connector
+active it only forwards to the platform class.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_sekv import compat
+
+
+def wrap_impl(base: type) -> type:
+    class SekvAttentionImpl(base):  # type: ignore[misc, valid-type]
+        def do_kv_cache_update(
+            self,
+            layer: torch.nn.Module,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            slot_mapping: torch.Tensor,
+        ) -> None:
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            connector: Any = compat.active_connector()
+            capture = getattr(connector, "capture_kv", None)
+            if capture is not None:
+                capture(layer, key, value, slot_mapping)
+
+        def write_kv(
+            self,
+            layer: torch.nn.Module,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            slot_mapping: torch.Tensor,
+        ) -> None:
+            base.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+
+    SekvAttentionImpl.__name__ = SekvAttentionImpl.__qualname__ = f"Sekv{base.__name__}"
+    return SekvAttentionImpl
+
+
+def wrap_backend(base: type) -> type:
+    impl_cls = wrap_impl(base.get_impl_cls())
+
+    class SekvAttentionBackend(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def get_impl_cls() -> type:
+            return impl_cls
+
+    SekvAttentionBackend.__name__ = SekvAttentionBackend.__qualname__ = f"Sekv{base.__name__}"
+    return SekvAttentionBackend
+
+
+SekvCPUAttentionBackend = wrap_backend(compat.cpu_attention_backend_cls())

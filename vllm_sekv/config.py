@@ -1,0 +1,141 @@
+"""The one typed configuration of vllm-sekv.
+
+Read from `kv_connector_extra_config` (the JSON object inside vLLM's
+`--kv-transfer-config`), then overridden by `SEKV_<KEY>` environment variables
+(e.g. `SEKV_HOST_BYTES=8G`). Every key is declared once in `SekvConfig`; unknown
+keys and bad values raise `ValueError` naming the key and what it accepts, so a
+misconfigured server fails at start-up instead of serving.
+
+Sizes accept integers (bytes) or strings with a binary unit: `512M`, `8G`,
+`1.5GiB`, `64K`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+ENV_PREFIX = "SEKV_"
+# SEKV_* variables that are not config keys (read elsewhere, documented there).
+NON_CONFIG_ENV = frozenset({"SEKV_CACHE_DIR"})
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size_bytes(key: str, value: Any) -> int:
+    """`8G` -> 8 * 2**30. Raises ValueError naming `key` on anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"sekv config '{key}': expected a size like 8G or 512M, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ValueError(
+                f"sekv config '{key}': expected a size like 8G, 512M or a byte count, got {value!r}"
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 0:
+        raise ValueError(f"sekv config '{key}': must not be negative, got {value!r}")
+    return n
+
+
+def _parse_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"sekv config '{key}': expected an integer, got {value!r}")
+    try:
+        return int(str(value), 10) if not isinstance(value, int) else value
+    except ValueError:
+        raise ValueError(f"sekv config '{key}': expected an integer, got {value!r}") from None
+
+
+def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if str(value) not in choices:
+        raise ValueError(f"sekv config '{key}': expected one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+POLICIES = ("slru", "lru")
+
+
+@dataclass(frozen=True)
+class SekvConfig:
+    """Validated settings. Field comments are the user-facing documentation."""
+
+    # Byte budget of the host-memory tier (all sessions together).
+    host_bytes: int = 4 << 30
+    # Tokens per workspace block: the unit of capture, matching, restore and
+    # of the Mean-K index. A power of two from 8 to 256.
+    block_tokens: int = 32
+    # Host-tier eviction policy: "slru" (recency + frequency: blocks recalled
+    # again are protected from bursts of new blocks) or "lru".
+    policy: str = "slru"
+    # Share of the host tier that blocks recalled at least twice may hold
+    # (slru only), in percent.
+    protected_percent: int = 80
+    # Shortest restore worth doing, in tokens; shorter matches are prefilled.
+    min_restore_tokens: int = 32
+
+    _SIZES = ("host_bytes",)
+    _CHOICES = {"policy": POLICIES}
+
+    def __post_init__(self) -> None:
+        bt = self.block_tokens
+        if bt < 8 or bt > 256 or bt & (bt - 1):
+            raise ValueError(
+                f"sekv config 'block_tokens': expected a power of two from 8 to 256, got {bt}"
+            )
+        if not 0 <= self.protected_percent <= 100:
+            raise ValueError(
+                f"sekv config 'protected_percent': expected 0..100, got {self.protected_percent}"
+            )
+        if self.min_restore_tokens < 0:
+            raise ValueError(
+                f"sekv config 'min_restore_tokens': must not be negative, got {self.min_restore_tokens}"
+            )
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_sources(
+        cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> "SekvConfig":
+        """Build from `kv_connector_extra_config`, then `SEKV_*` environment overrides."""
+        environ = os.environ if environ is None else environ
+        known = cls.keys()
+        raw: dict[str, Any] = {}
+        for key, value in (extra_config or {}).items():
+            if key not in known:
+                raise ValueError(
+                    f"sekv config: unknown key '{key}' in kv_connector_extra_config; "
+                    f"accepted keys: {', '.join(known)}"
+                )
+            raw[key] = value
+        for name, value in environ.items():
+            if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
+                continue
+            key = name[len(ENV_PREFIX):].lower()
+            if key not in known:
+                raise ValueError(
+                    f"sekv config: unknown environment variable '{name}'; accepted: "
+                    + ", ".join(ENV_PREFIX + k.upper() for k in known)
+                )
+            raw[key] = value
+        return cls(**{k: cls._parse(k, v) for k, v in raw.items()})
+
+    @classmethod
+    def _parse(cls, key: str, value: Any) -> Any:
+        if key in cls._SIZES:
+            return parse_size_bytes(key, value)
+        if key in cls._CHOICES:
+            return _parse_choice(key, value, cls._CHOICES[key])
+        return _parse_int(key, value)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+

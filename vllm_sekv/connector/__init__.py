@@ -1,0 +1,93 @@
+"""The `sekv` KV connector: a thin facade that dispatches on vLLM's role.
+
+One instance lives in the scheduler process (`SekvSchedulerSide`) and one in
+each worker (`SekvWorkerSide`); they share only `connector.common`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+
+from vllm_sekv.config import SekvConfig
+from vllm_sekv.connector.common import SekvMetadata
+from vllm_sekv.connector.stats import SekvPromMetrics, SekvStats
+
+
+class SekvConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config = SekvConfig.from_sources(extra)
+        self._scheduler = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from vllm_sekv.connector.scheduler import SekvSchedulerSide
+
+            self._scheduler = SekvSchedulerSide(self.config, vllm_config)
+        else:
+            from vllm_sekv.connector.worker import SekvWorkerSide
+
+            self._worker = SekvWorkerSide(self.config, vllm_config)
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, SekvMetadata)
+        self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # restores complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # K/V are captured by the attention hook (capture_kv), not from paged bytes
+
+    def wait_for_save(self) -> None:
+        return  # captures complete synchronously in the forward
+
+    def capture_kv(self, layer: Any, key: Any, value: Any, slot_mapping: Any) -> None:
+        """Called by the attention hook after the platform wrote a layer's K/V."""
+        if self._worker is not None:
+            self._worker.capture_kv(layer, key, value, slot_mapping)
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.build_worker_meta()
+
+    def get_kv_connector_stats(self) -> Any:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    # --------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> SekvMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------ metrics
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> SekvStats:
+        return SekvStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return SekvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,128 @@
+"""Scheduler-side connector: translates vLLM's scheduler calls for the planner.
+
+Runs in the engine-core process on the scheduler thread. Owns the catalog,
+the sessions and the planner (bookkeeping only; the bytes are in the workers).
+Every call is blocking and cheap.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_sekv import compat
+from vllm_sekv.config import SekvConfig
+from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
+from vllm_sekv.store import HostPool, Tier, make_policy
+from vllm_sekv.workspace.catalog import BlockCatalog
+from vllm_sekv.workspace.planner import WorkspacePlanner
+from vllm_sekv.workspace.sessions import SessionTable
+
+logger = logging.getLogger("vllm_sekv")
+
+
+def host_slots(config: SekvConfig, vllm_config: Any) -> tuple[int, int]:
+    """(number of host slots, bytes per block over all ranks) under `host_bytes`."""
+    geo = compat.kv_geometry(vllm_config)
+    per_rank = HostPool.bytes_per_block(
+        geo.num_layers, config.block_tokens, geo.kv_heads, geo.head_dim, geo.dtype
+    )
+    block_bytes = per_rank * geo.world_size
+    num_slots = config.host_bytes // block_bytes
+    if num_slots < 1:
+        raise ValueError(
+            f"sekv config 'host_bytes': {config.host_bytes} bytes cannot hold one block "
+            f"of {config.block_tokens} tokens ({block_bytes} bytes for this model)"
+        )
+    return num_slots, block_bytes
+
+
+class SekvSchedulerSide:
+    def __init__(self, config: SekvConfig, vllm_config: Any) -> None:
+        num_slots, block_bytes = host_slots(config, vllm_config)
+        self.catalog = BlockCatalog(
+            num_slots, make_policy(config.policy, num_slots, config.protected_percent)
+        )
+        self.sessions = SessionTable()
+        self.planner = WorkspacePlanner(
+            self.catalog,
+            self.sessions,
+            block_tokens=config.block_tokens,
+            paged_block_size=compat.kv_cache_block_size(vllm_config),
+            min_restore_tokens=config.min_restore_tokens,
+        )
+        self._requests: dict[str, Any] = {}
+        # kv_transfer_params already handed to vLLM for finished requests,
+        # completed when the worker reports their last step (see
+        # `update_connector_output`).
+        self._open_params: dict[str, dict[str, Any]] = {}
+        logger.info(
+            "sekv: host tier of %d blocks x %d tokens (%.1f MiB per block)",
+            num_slots, config.block_tokens, block_bytes / 2**20,
+        )
+
+    def _tokens_of(self, req_id: str) -> Any:
+        request = self._requests.get(req_id)
+        return request.all_token_ids if request is not None else ()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._requests[request.request_id] = request
+        ext = self.planner.match(
+            request.request_id,
+            request.prompt_token_ids or (),
+            compat.request_cache_salt(request),
+            compat.request_session_id(request),
+            num_computed_tokens,
+        )
+        return ext, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.planner.set_paged_blocks(request.request_id, blocks.get_block_ids()[0], replace=True)
+        self.planner.accept_restore(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> SekvMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            self.planner.set_paged_blocks(new.req_id, compat.new_request_block_ids(new), True)
+            self.planner.note_first_schedule(new.req_id, new.num_computed_tokens)
+        for req_id, block_ids, replace in compat.cached_request_updates(
+            scheduler_output.scheduled_cached_reqs
+        ):
+            if block_ids is not None:
+                self.planner.set_paged_blocks(req_id, block_ids, replace)
+        scheduled = {
+            req_id: (self._requests[req_id].num_computed_tokens, n)
+            for req_id, n in scheduler_output.num_scheduled_tokens.items()
+            if req_id in self._requests
+        }
+        return SekvMetadata(self.planner.plan_step(scheduled, self._tokens_of))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, SekvWorkerMeta):
+            return
+        for req_id, seconds in meta.restore_seconds.items():
+            st = self.planner.requests.get(req_id)
+            if st is not None:
+                st.restore_seconds += seconds
+            params = self._open_params.get(req_id)
+            if params is not None:
+                params["restore_ms"] = round(1000.0 * seconds, 3)
+        self.planner.confirm(meta.confirmed_step, meta.failed_slots, self._tokens_of)
+        self._open_params.clear()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        st = self.planner.finish(req_id, request.all_token_ids, request.num_computed_tokens)
+        if st is None:
+            return False, None
+        restored, cached = st.restored_tokens, max(st.cached_tokens, 0)
+        params: dict[str, Any] = {
+            "restored_tokens": {Tier.HOST.value: restored},
+            "prefilled_tokens": st.num_prompt_tokens - cached,
+            "vllm_cached_tokens": cached - restored,
+            "restore_ms": round(1000.0 * st.restore_seconds, 3) if restored else 0.0,
+            "workspace_blocks": self.catalog.num_committed,
+        }
+        if restored and st.restore_seconds == 0.0:
+            self._open_params[req_id] = params  # the worker's report comes later this step
+        return False, {"sekv": params}

@@ -1,0 +1,161 @@
+"""Worker-side connector: holds the host tier's bytes and the block index,
+restores KV into vLLM's paged cache and captures new K/V out of the forward.
+
+Runs in each worker process, on the forward thread, in this order per step:
+  `start_load_kv`  index newly committed blocks; restore planned rows through
+                   the platform's own cache-update op (blocking; before the
+                   forward, as vLLM calls it for synchronous loads);
+  `capture_kv`     called by the attention hook once per layer, right after
+                   the platform wrote that layer's K/V: copies the planned
+                   rows into the host pool (blocking);
+  `build_worker_meta` reports the step as done, with any capture failures.
+Only the host slots named by the plan are written. A capture row missing from
+the batch marks its slot failed: the scheduler side then never commits it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_sekv import compat
+from vllm_sekv.config import SekvConfig
+from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
+from vllm_sekv.connector.scheduler import host_slots
+from vllm_sekv.connector.stats import SekvStats
+from vllm_sekv.store import HostPool
+from vllm_sekv.workspace.block_index import MeanKIndex
+from vllm_sekv.workspace.plan import StepPlan
+
+logger = logging.getLogger("vllm_sekv")
+
+
+class SekvWorkerSide:
+    def __init__(self, config: SekvConfig, vllm_config: Any) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.geometry = compat.kv_geometry(vllm_config)
+        self.num_slots, _ = host_slots(config, vllm_config)
+        self.rope = compat.rope_spec(vllm_config)
+        self.pool: HostPool | None = None
+        self.index: MeanKIndex | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layer_of: dict[str, int] = {}
+        self.stats = SekvStats()
+        self._plan: StepPlan | None = None
+        self._confirmed_step = -1
+        self._failed_slots: set[int] = set()
+        self._restore_seconds: dict[str, float] = {}
+        self._capture_rows: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    # ---------------------------------------------------------------- set-up
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        geo = self.geometry
+        self.kv_caches = kv_caches
+        self.layer_of = {name: compat.layer_index(name) for name in kv_caches}
+        layers = sorted(set(self.layer_of.values()))
+        if len(layers) != geo.num_layers:
+            raise ValueError(
+                f"sekv: expected {geo.num_layers} attention layers, vLLM registered {len(layers)}"
+            )
+        rank = {layer: i for i, layer in enumerate(layers)}
+        self.layer_of = {name: rank[idx] for name, idx in self.layer_of.items()}
+        device = next(iter(kv_caches.values())).device
+        self.pool = HostPool(
+            self.num_slots,
+            geo.num_layers,
+            self.config.block_tokens,
+            geo.kv_heads,
+            geo.head_dim,
+            geo.dtype,
+            pin_memory=device.type == "cuda",
+        )
+        self.index = MeanKIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope)
+
+    # ------------------------------------------------------------ each step
+
+    def bind(self, metadata: SekvMetadata) -> None:
+        self._plan = metadata.plan
+        self._capture_rows = None
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        plan = self._plan
+        if plan is None or self.pool is None:
+            return
+        for slot, start_token in plan.index_blocks:
+            self.index.add(self.pool, slot, start_token)
+        for op in plan.restores:
+            t0 = time.perf_counter()
+            self._restore(forward_context, op.paged_slots, op.host_rows)
+            seconds = time.perf_counter() - t0
+            self._restore_seconds[op.req_id] = seconds
+            self.stats.add("restored_tokens", len(op.host_rows))
+            self.stats.add("restore_seconds", seconds)
+            self.stats.add("restores", 1)
+
+    def _restore(self, forward_context: Any, paged_slots: np.ndarray, host_rows: np.ndarray) -> None:
+        rows = torch.from_numpy(host_rows)
+        for name, kv_cache in self.kv_caches.items():
+            layer = compat.attention_layer(forward_context, name)
+            key, value = self.pool.read_rows(self.layer_of[name], rows)
+            slots = torch.from_numpy(paged_slots).to(kv_cache.device)
+            layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
+
+    def capture_kv(
+        self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        plan = self._plan
+        if plan is None or self.pool is None or not len(plan.capture_paged_slots):
+            return
+        batch_rows, host_rows = self._resolve_capture_rows(plan, slot_mapping)
+        if len(batch_rows):
+            self.pool.write_rows(
+                self.layer_of[layer.layer_name], host_rows, key[batch_rows].cpu(), value[batch_rows].cpu()
+            )
+
+    def _resolve_capture_rows(
+        self, plan: StepPlan, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of this forward's batch that hold the planned paged slots.
+
+        Computed once per step (all layers share one slot mapping). Planned
+        slots absent from the batch fail their host slot."""
+        cached = self._capture_rows
+        if cached is not None and cached[0] == plan.step_id:
+            return cached[1], cached[2]
+        mapping = slot_mapping.cpu().numpy()
+        order = np.argsort(mapping, kind="stable")
+        sorted_slots = mapping[order]
+        want = plan.capture_paged_slots
+        pos = np.clip(np.searchsorted(sorted_slots, want), 0, max(len(sorted_slots) - 1, 0))
+        found = sorted_slots[pos] == want if len(sorted_slots) else np.zeros(len(want), bool)
+        if not found.all():
+            bt = self.config.block_tokens
+            lost = set((plan.capture_host_rows[~found] // bt).tolist())
+            self._failed_slots |= lost
+            self.stats.add("capture_failures", len(lost))
+            logger.warning("sekv: %d captured blocks dropped (rows missing from the batch)", len(lost))
+        batch_rows = torch.from_numpy(order[pos[found]])
+        host_rows = torch.from_numpy(plan.capture_host_rows[found])
+        self.stats.add("captured_tokens", int(found.sum()))
+        self._capture_rows = (plan.step_id, batch_rows, host_rows)
+        return batch_rows, host_rows
+
+    def build_worker_meta(self) -> SekvWorkerMeta | None:
+        plan = self._plan
+        if plan is None:
+            return None
+        self._confirmed_step = max(self._confirmed_step, plan.step_id)
+        meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds)
+        self._failed_slots, self._restore_seconds = set(), {}
+        return meta
+
+    def take_stats(self) -> SekvStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, SekvStats()
+        return stats

@@ -1,0 +1,273 @@
+"""The scheduler-side brain of restore and capture, free of vLLM types.
+
+Per request it
+  * matches the prompt against the catalog (`match`): vLLM's own prefix cache
+    covers the first `local_tokens`; the workspace continues from there as far
+    as committed blocks reach, never past the prompt's last token (vLLM must
+    compute at least one token to sample from);
+  * turns an accepted match into a restore (`accept_restore`), pinning the
+    blocks until the worker confirms the step that read them;
+  * plans, per engine step, which freshly computed tokens the worker captures
+    into which host rows (`plan_step`), reserving a slot per new block;
+  * commits a block once all its tokens were captured in confirmed steps and
+    its token ids are known (`confirm`), and then asks the worker to index it.
+
+Blocks already committed (another request computed them) are not captured
+twice. A capture the worker could not complete releases the block's slot: it
+never becomes matchable, so wrong KV is never restored.
+
+Single-threaded, on the engine-core scheduler thread. Blocking, cheap: O(tokens
+scheduled) per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord
+from vllm_sekv.workspace.hashing import extend_block_hashes
+from vllm_sekv.workspace.plan import RestoreOp, StepPlan
+from vllm_sekv.workspace.sessions import SessionTable
+
+TokenSource = Callable[[str], Sequence[int]]
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    salt: str
+    session_id: str | None
+    num_prompt_tokens: int
+    hashes: list[bytes] = field(default_factory=list)  # of full blocks known so far
+    paged_block_ids: list[int] = field(default_factory=list)
+    matched: list[BlockRecord] = field(default_factory=list)  # committed blocks from ...
+    match_first_block: int = 0  # ... this block index on
+    match_end_tokens: int = 0  # tokens the match reaches (local hit + workspace)
+    pending_restore: RestoreOp | None = None
+    restore_pins: dict[int, list[BlockRecord]] = field(default_factory=dict)  # step -> pinned
+    captures: dict[int, BlockRecord] = field(default_factory=dict)  # block index -> reserved
+    skip_blocks: set[int] = field(default_factory=set)  # not ours to capture
+    capture_broken: bool = False  # the tier was full: stop reserving
+    finished: bool = False
+    # Figures reported back in the response's kv_transfer_params.
+    cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
+    restored_tokens: int = 0
+    restore_seconds: float = 0.0
+
+
+class WorkspacePlanner:
+    def __init__(
+        self,
+        catalog: BlockCatalog,
+        sessions: SessionTable,
+        block_tokens: int,
+        paged_block_size: int,
+        min_restore_tokens: int = 0,
+    ) -> None:
+        self.catalog = catalog
+        self.sessions = sessions
+        self.block_tokens = block_tokens
+        self.paged_block_size = paged_block_size
+        self.min_restore_tokens = min_restore_tokens
+        self.requests: dict[str, RequestState] = {}
+        self._next_step = 0
+        self._confirmed_step = -1
+        self._index_queue: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------- matching
+
+    def match(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        salt: str,
+        session_id: str | None,
+        local_tokens: int,
+    ) -> int:
+        """Tokens beyond `local_tokens` (vLLM's own hit) the workspace can restore."""
+        st = self.requests.get(req_id)
+        if st is None:
+            st = self.requests[req_id] = RequestState(
+                req_id, salt, session_id, len(prompt_token_ids)
+            )
+        extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, salt)
+        bt = self.block_tokens
+        first = local_tokens // bt
+        held = self.catalog.match_prefix(st.hashes[first:])
+        st.matched, st.match_first_block = held, first
+        end = min((first + len(held)) * bt, len(prompt_token_ids) - 1)
+        st.match_end_tokens = max(end, local_tokens)
+        ext = st.match_end_tokens - local_tokens
+        return ext if ext >= max(self.min_restore_tokens, 1) else 0
+
+    def accept_restore(self, req_id: str, num_external_tokens: int) -> None:
+        """vLLM takes `num_external_tokens` from us, ending at the match end."""
+        st = self.requests[req_id]
+        if num_external_tokens <= 0:
+            return
+        bt = self.block_tokens
+        positions = np.arange(
+            st.match_end_tokens - num_external_tokens, st.match_end_tokens, dtype=np.int64
+        )
+        index = positions // bt - st.match_first_block
+        if index[0] < 0 or index[-1] >= len(st.matched):
+            raise ValueError(
+                f"request {req_id}: vLLM asked for {num_external_tokens} tokens, "
+                f"more than the {len(st.matched)} matched blocks hold"
+            )
+        slots = np.array([rec.slot for rec in st.matched], dtype=np.int64)[index]
+        st.pending_restore = RestoreOp(req_id, np.zeros(0, np.int64), slots * bt + positions % bt)
+        st.restored_tokens = num_external_tokens
+        used = st.matched[index[0] : index[-1] + 1]
+        self.catalog.pin(used)
+        self.catalog.touch(used)
+        st.restore_pins[-1] = used  # re-keyed to the step that carries the restore
+
+    # ------------------------------------------------------- per-step planning
+
+    def note_first_schedule(self, req_id: str, num_computed_tokens: int) -> None:
+        st = self.requests.get(req_id)
+        if st is not None and st.cached_tokens < 0:
+            st.cached_tokens = num_computed_tokens
+
+    def set_paged_blocks(self, req_id: str, block_ids: list[int], replace: bool) -> None:
+        st = self.requests.get(req_id)
+        if st is None:
+            return
+        if replace:
+            st.paged_block_ids = list(block_ids)
+        else:
+            st.paged_block_ids.extend(block_ids)
+
+    def _paged_slots(self, st: RequestState, positions: np.ndarray) -> np.ndarray:
+        ids = np.asarray(st.paged_block_ids, dtype=np.int64)
+        pbs = self.paged_block_size
+        return ids[positions // pbs] * pbs + positions % pbs
+
+    def plan_step(
+        self, scheduled: dict[str, tuple[int, int]], tokens_of: TokenSource
+    ) -> StepPlan:
+        """Plan one engine step. `scheduled[req_id] = (first_token, num_tokens)`
+        computed in this step; `tokens_of(req_id)` gives the request's known tokens."""
+        self.commit_ready(tokens_of)
+        step = StepPlan(step_id=self._next_step)
+        self._next_step += 1
+        src: list[np.ndarray] = []
+        dst: list[np.ndarray] = []
+        for req_id, (first, count) in scheduled.items():
+            st = self.requests.get(req_id)
+            if st is None or count <= 0:
+                continue
+            if st.pending_restore is not None:
+                op = st.pending_restore
+                start = st.match_end_tokens - len(op.host_rows)
+                op.paged_slots = self._paged_slots(
+                    st, np.arange(start, st.match_end_tokens, dtype=np.int64)
+                )
+                step.restores.append(op)
+                st.restore_pins[step.step_id] = st.restore_pins.pop(-1, [])
+                st.pending_restore = None
+            rows = self._plan_capture(st, first, count, step.step_id, tokens_of)
+            if rows is not None:
+                positions, host_rows = rows
+                src.append(self._paged_slots(st, positions))
+                dst.append(host_rows)
+        if src:
+            step.capture_paged_slots = np.concatenate(src)
+            step.capture_host_rows = np.concatenate(dst)
+        step.index_blocks, self._index_queue = self._index_queue, []
+        return step
+
+    def _plan_capture(
+        self, st: RequestState, first: int, count: int, step_id: int, tokens_of: TokenSource
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        bt = self.block_tokens
+        positions = np.arange(first, first + count, dtype=np.int64)
+        host_rows = np.full(count, -1, dtype=np.int64)
+        for b in range(first // bt, (first + count - 1) // bt + 1):
+            rec = self._capture_record(st, b, first, tokens_of)
+            if rec is None:
+                continue
+            lo, hi = max(b * bt, first), min((b + 1) * bt, first + count)
+            host_rows[lo - first : hi - first] = rec.slot * bt + np.arange(lo, hi) % bt
+            rec.captured_tokens += hi - lo
+            rec.last_capture_step = step_id
+        keep = host_rows >= 0
+        if not keep.any():
+            return None
+        return positions[keep], host_rows[keep]
+
+    def _capture_record(
+        self, st: RequestState, block: int, first: int, tokens_of: TokenSource
+    ) -> BlockRecord | None:
+        if block in st.captures:
+            return st.captures[block]
+        if block in st.skip_blocks or st.capture_broken:
+            return None
+        bt = self.block_tokens
+        if block * bt < first:
+            # Part of this block was not computed in this request (a cache hit):
+            # it cannot be captured whole.
+            st.skip_blocks.add(block)
+            return None
+        extend_block_hashes(st.hashes, tokens_of(st.req_id), bt, st.salt)
+        if block < len(st.hashes) and st.hashes[block] in self.catalog:
+            st.skip_blocks.add(block)  # someone already holds it
+            return None
+        rec = self.catalog.reserve(start_token=block * bt)
+        if rec is None:
+            st.capture_broken = True
+            return None
+        st.captures[block] = rec
+        return rec
+
+    # -------------------------------------------------------- confirmations
+
+    def confirm(self, step_id: int, failed_slots: set[int], tokens_of: TokenSource) -> None:
+        """The worker finished `step_id` (and every step before it)."""
+        for st in list(self.requests.values()):
+            for done in [s for s in st.restore_pins if 0 <= s <= step_id]:
+                self.catalog.unpin(st.restore_pins.pop(done))
+            for b, rec in list(st.captures.items()):
+                if rec.slot in failed_slots:
+                    del st.captures[b]
+                    st.skip_blocks.add(b)
+                    self.catalog.release(rec)
+        self._confirmed_step = step_id
+        self.commit_ready(tokens_of)
+
+    def commit_ready(self, tokens_of: TokenSource) -> None:
+        confirmed = self._confirmed_step
+        bt = self.block_tokens
+        for st in list(self.requests.values()):
+            for b, rec in sorted(st.captures.items()):
+                if rec.captured_tokens < bt or rec.last_capture_step > confirmed:
+                    continue
+                if b >= len(st.hashes) and not st.finished:
+                    extend_block_hashes(st.hashes, tokens_of(st.req_id), bt, st.salt)
+                if b >= len(st.hashes):
+                    continue
+                del st.captures[b]
+                if self.catalog.commit(rec, st.hashes[b]):
+                    self._index_queue.append((rec.slot, rec.start_token))
+            if st.finished and not st.captures and not st.restore_pins:
+                del self.requests[st.req_id]
+
+    def finish(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> RequestState | None:
+        """The request ended. Blocks still waiting for confirmation stay
+        reserved until `confirm`; incomplete ones are released now."""
+        st = self.requests.get(req_id)
+        if st is None:
+            return None
+        st.finished = True
+        bt = self.block_tokens
+        extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.salt)
+        for b, rec in list(st.captures.items()):
+            if rec.captured_tokens < bt or b >= len(st.hashes):
+                del st.captures[b]
+                self.catalog.release(rec)
+        if st.session_id is not None:
+            self.sessions.record(st.salt, st.session_id, st.hashes, num_computed_tokens)
+        return st
