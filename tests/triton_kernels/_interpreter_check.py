@@ -1,0 +1,38 @@
+"""Run by test_interpreter.py in a subprocess with TRITON_INTERPRET=1: the Triton
+kernels execute on CPU through Triton's interpreter and must match the
+references. Exits non-zero (AssertionError) on a mismatch."""
+import torch
+
+from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
+from vllm_sekv.triton_kernels.rope import scatter_reference
+from vllm_sekv.triton_kernels.rope.reference import RopeSpec
+from vllm_sekv.triton_kernels.scoring import kernel as scoring_kernel
+from vllm_sekv.triton_kernels.scoring import reference as scoring_reference
+
+torch.manual_seed(0)
+small_tiles = scoring_kernel.ScoringConfig(32, 16, 4, 1, 16, 32, 4, 1)
+for layers, q_heads, kv_heads, tokens, capacity, valid, head_dim in [(2, 4, 2, 37, 70, 67, 64), (1, 6, 2, 5, 20, 19, 96)]:
+    q = torch.randn(layers, q_heads, tokens, head_dim).half()
+    index = torch.randn(capacity, layers, kv_heads, head_dim).half()
+    index[valid:] = float("nan")
+    for combine in ("max", "mean"):
+        got = scoring_kernel.score_blocks(q, index, valid, combine, small_tiles)
+        want = scoring_reference.score_blocks(q, index, valid, combine)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 96)]:
+    layers, bt, heads, pages, page_size = 2, 8, 3, 12, 4
+    staging = torch.randn(3, 2, layers, bt, heads, head_dim).half()
+    kv_ref = torch.randn(layers, 2, pages, heads, page_size, head_dim).half()  # head-major storage
+    kv_tri = kv_ref.clone()
+    inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    rope = RopeSpec(inv, rotary_dim, neox)
+    slots = torch.randperm(pages * page_size)[:2 * bt]
+    slots[::5] = -1
+    deltas = torch.randint(-100, 100000, (2 * bt,))
+    src_rows = torch.tensor([2, 0])
+    for kv, fn in ((kv_ref, scatter_reference.scatter_rerope), (kv_tri, rope_kernel.scatter_rerope)):
+        fn(staging, [kv[l, 0].transpose(1, 2) for l in range(layers)], [kv[l, 1].transpose(1, 2) for l in range(layers)],
+           slots, deltas, rope, src_rows)
+    torch.testing.assert_close(kv_tri, kv_ref, rtol=1e-3, atol=1e-3)
+print("ok")
