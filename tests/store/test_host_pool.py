@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from vllm_sekv.store import HostPool
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_round_trip_is_bit_identical(dtype):
+    g = torch.Generator().manual_seed(0)
+    pool = HostPool(num_slots=5, num_layers=3, block_tokens=8, kv_heads=2, head_dim=16, dtype=dtype)
+    n = 19
+    rows = torch.randperm(5 * 8, generator=g)[:n]
+    key = torch.randn(n, 2, 16, generator=g).to(dtype)
+    value = torch.randn(n, 2, 16, generator=g).to(dtype)
+    # Extreme values survive too: infinities, subnormals, negative zero.
+    key[0, 0, :4] = torch.tensor([float("inf"), -0.0, 1e-40, -float("inf")]).to(dtype)
+    pool.write_rows(1, rows, key, value)
+    k2, v2 = pool.read_rows(1, rows)
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(k2.view(bits), key.view(bits))
+    assert torch.equal(v2.view(bits), value.view(bits))
+
+
+def test_rows_land_in_their_slot_and_offset():
+    pool = HostPool(num_slots=3, num_layers=2, block_tokens=4, kv_heads=1, head_dim=2, dtype=torch.float32)
+    pool.data.zero_()
+    key = torch.full((1, 1, 2), 7.0)
+    pool.write_rows(0, torch.tensor([2 * 4 + 3]), key, key + 1)
+    assert torch.equal(pool.data[2, 0, 0, 3], key[0])
+    assert torch.equal(pool.data[2, 1, 0, 3], key[0] + 1)
+    assert pool.data.count_nonzero() == 4
+
+
+def test_block_bytes():
+    assert HostPool.bytes_per_block(30, 32, 3, 64, torch.bfloat16) == 2 * 30 * 32 * 3 * 64 * 2
+    pool = HostPool(2, 30, 32, 3, 64, torch.bfloat16)
+    assert pool.block_bytes == HostPool.bytes_per_block(30, 32, 3, 64, torch.bfloat16)

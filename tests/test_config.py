@@ -1,0 +1,46 @@
+import pytest
+
+from vllm_sekv.config import SekvConfig, parse_size_bytes
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("8G", 8 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("64k", 64 << 10), (4096, 4096), ("123", 123)],
+)
+def test_sizes(text, expected):
+    assert parse_size_bytes("host_bytes", text) == expected
+
+
+def test_defaults_and_extra_config():
+    cfg = SekvConfig.from_sources({"host_bytes": "2G", "block_tokens": 16}, environ={})
+    assert cfg.host_bytes == 2 << 30 and cfg.block_tokens == 16 and cfg.policy == "slru"
+
+
+def test_environment_overrides_extra_config():
+    cfg = SekvConfig.from_sources({"host_bytes": "2G"}, environ={"SEKV_HOST_BYTES": "3G", "SEKV_POLICY": "lru"})
+    assert cfg.host_bytes == 3 << 30 and cfg.policy == "lru"
+
+
+def test_non_config_env_is_ignored():
+    assert SekvConfig.from_sources({}, environ={"SEKV_CACHE_DIR": "/tmp/x"}) == SekvConfig()
+
+
+@pytest.mark.parametrize(
+    "extra,env,key",
+    [
+        ({"host_byte": "1G"}, {}, "host_byte"),
+        ({"host_bytes": "8X"}, {}, "host_bytes"),
+        ({"host_bytes": True}, {}, "host_bytes"),
+        ({"block_tokens": 33}, {}, "block_tokens"),
+        ({"block_tokens": "many"}, {}, "block_tokens"),
+        ({"policy": "fifo"}, {}, "policy"),
+        ({"protected_percent": 120}, {}, "protected_percent"),
+        ({}, {"SEKV_HOST_BYTE": "1G"}, "SEKV_HOST_BYTE"),
+        ({}, {"SEKV_BLOCK_TOKENS": "7"}, "block_tokens"),
+    ],
+    ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
+         "bad-percent", "unknown-env", "bad-env-value"],
+)
+def test_bad_config_names_the_key(extra, env, key):
+    with pytest.raises(ValueError, match=key):
+        SekvConfig.from_sources(extra, environ=env)

@@ -1,0 +1,155 @@
+"""The planner driven the way the scheduler-side connector drives it, without vLLM."""
+import numpy as np
+import pytest
+
+from vllm_sekv.store import LRUPolicy
+from vllm_sekv.workspace.catalog import BlockCatalog
+from vllm_sekv.workspace.planner import WorkspacePlanner
+from vllm_sekv.workspace.sessions import SessionTable
+
+BT, PAGED = 8, 16
+
+
+class Engine:
+    """Stands in for vLLM's scheduler: tokens per request and paged blocks."""
+
+    def __init__(self, num_slots=64):
+        self.catalog = BlockCatalog(num_slots, LRUPolicy())
+        self.planner = WorkspacePlanner(self.catalog, SessionTable(), BT, PAGED)
+        self.tokens: dict[str, list[int]] = {}
+        self.step = -1
+
+    def tokens_of(self, req_id):
+        return self.tokens.get(req_id, [])
+
+    def admit(self, req_id, prompt, salt="", session=None, local=0):
+        self.tokens[req_id] = list(prompt)
+        ext = self.planner.match(req_id, prompt, salt, session, local)
+        num_paged = -(-(len(prompt) + 8) // PAGED)
+        self.planner.set_paged_blocks(req_id, list(range(100, 100 + num_paged)), replace=True)
+        self.planner.accept_restore(req_id, ext)
+        self.planner.note_first_schedule(req_id, local + ext)
+        return ext
+
+    def run(self, scheduled, failed=frozenset()):
+        plan = self.planner.plan_step(scheduled, self.tokens_of)
+        self.step = plan.step_id
+        self.planner.confirm(plan.step_id, set(failed), self.tokens_of)
+        return plan
+
+
+def prefill_and_finish(eng, req_id, prompt, **kw):
+    ext = eng.admit(req_id, prompt, **kw)
+    plan = eng.run({req_id: (ext, len(prompt) - ext)})
+    st = eng.planner.finish(req_id, eng.tokens[req_id], len(prompt))
+    eng.run({})  # a later step: commits whatever waited for confirmation
+    return ext, plan, st
+
+
+def test_first_request_captures_every_full_block():
+    eng = Engine()
+    prompt = list(range(1, 41))
+    ext, plan, _ = prefill_and_finish(eng, "a", prompt)
+    assert ext == 0
+    assert len(plan.capture_paged_slots) == 40
+    # paged slot of token t = block_ids[t // 16] * 16 + t % 16
+    t = np.arange(40)
+    assert np.array_equal(plan.capture_paged_slots, (100 + t // PAGED) * PAGED + t % PAGED)
+    assert eng.catalog.num_committed == 5
+
+
+def test_follow_up_restores_history_and_computes_only_new_tokens():
+    eng = Engine()
+    history = list(range(1, 41))
+    prefill_and_finish(eng, "a", history)
+    ext = eng.admit("b", history + [7] * 10)
+    assert ext == 40
+    plan = eng.run({"b": (40, 10)})
+    (op,) = plan.restores
+    t = np.arange(40)
+    assert np.array_equal(op.paged_slots, (100 + t // PAGED) * PAGED + t % PAGED)
+    slots = [eng.catalog.match_prefix(eng.planner.requests["b"].hashes)[i].slot for i in range(5)]
+    assert np.array_equal(op.host_rows, np.repeat(slots, BT) * BT + t % BT)
+    # the new tokens are captured, the restored ones are not captured again
+    # every new token is captured (48..49 into a block that decode will fill);
+    # none of the restored ones is captured again
+    new = np.arange(40, 50)
+    assert np.array_equal(plan.capture_paged_slots, (100 + new // PAGED) * PAGED + new % PAGED)
+
+
+def test_restores_stop_one_token_short_of_a_fully_matched_prompt():
+    eng = Engine()
+    prefill_and_finish(eng, "a", list(range(1, 41)))
+    assert eng.admit("b", list(range(1, 41))) == 39
+
+
+def test_vllm_local_hit_is_not_restored_again():
+    eng = Engine()
+    prefill_and_finish(eng, "a", list(range(1, 41)))
+    assert eng.admit("b", list(range(1, 51)), local=32) == 8
+
+
+def test_different_salt_never_matches():
+    eng = Engine()
+    prefill_and_finish(eng, "a", list(range(1, 41)), salt="tenant-1")
+    assert eng.admit("b", list(range(1, 51)), salt="tenant-2") == 0
+    assert eng.admit("c", list(range(1, 51)), salt="tenant-1") == 40
+
+
+def test_a_failed_capture_is_never_committed():
+    eng = Engine()
+    prompt = list(range(1, 41))
+    eng.admit("a", prompt)
+    reserved = eng.planner.plan_step({"a": (0, 40)}, eng.tokens_of)
+    bad_slot = int(reserved.capture_host_rows[0] // BT)
+    eng.planner.confirm(reserved.step_id, {bad_slot}, eng.tokens_of)
+    eng.planner.finish("a", prompt, 40)
+    assert eng.catalog.num_committed == 4
+    assert eng.admit("b", prompt + [0] * 8) == 0  # block 0 is missing: nothing restorable
+
+
+def test_blocks_wait_for_the_worker_before_they_can_be_matched():
+    eng = Engine()
+    prompt = list(range(1, 41))
+    eng.admit("a", prompt)
+    eng.planner.plan_step({"a": (0, 40)}, eng.tokens_of)  # not confirmed yet
+    assert eng.admit("b", prompt + [1]) == 0
+
+
+def test_decode_tokens_are_captured_into_blocks_as_they_complete():
+    eng = Engine()
+    prompt = list(range(1, 13))  # 12 tokens: one full block, 4 of the next
+    eng.admit("a", prompt)
+    eng.run({"a": (0, 12)})
+    for i in range(8):
+        eng.tokens["a"].append(500 + i)  # sampled token
+        eng.run({"a": (12 + i, 1)})
+    eng.planner.finish("a", eng.tokens["a"], 20)
+    eng.run({})
+    assert eng.catalog.num_committed == 2  # 20 computed tokens -> 2 full blocks
+    assert eng.admit("b", eng.tokens["a"] + [9]) == 16
+
+
+def test_restored_blocks_are_pinned_until_the_step_is_confirmed():
+    eng = Engine(num_slots=5)
+    prefill_and_finish(eng, "a", list(range(1, 41)))  # fills all 5 slots
+    eng.admit("b", list(range(1, 41)) + [3] * 8)
+    plan = eng.planner.plan_step({"b": (40, 8)}, eng.tokens_of)
+    assert plan.restores and not len(plan.capture_paged_slots)  # no slot could be freed
+    eng.planner.confirm(plan.step_id, set(), eng.tokens_of)
+    assert all(rec.pins == 0 for rec in eng.catalog.match_prefix(eng.planner.requests["b"].hashes))
+
+
+def test_session_fork_is_recorded():
+    eng = Engine()
+    prefill_and_finish(eng, "a", list(range(1, 41)), session="s")
+    prefill_and_finish(eng, "b", list(range(1, 17)) + [0] * 24, session="s")
+    ws = eng.planner.sessions.get("", "s")
+    assert ws.num_forks == 1 and len(ws.block_hashes) == 5
+
+
+def test_accepting_more_than_matched_is_an_error():
+    eng = Engine()
+    eng.admit("a", list(range(1, 41)))
+    with pytest.raises(ValueError):
+        eng.planner.accept_restore("a", 8)
