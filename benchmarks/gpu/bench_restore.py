@@ -20,19 +20,24 @@ import math
 import torch
 
 from common import LLAMA3_8B, KvGeometry, event_ms, machine_facts, median, wall_ms, write_json
+from vllm_sekv.store.gpu_pool import GpuBlockPool
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
 from vllm_sekv.triton_kernels.rope import scatter_reference
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
 
 WORKING_SETS = [8192, 65536]  # tokens
-VARIANTS = [  # name, mode, batch_blocks, num_threads
-    ("gather-t4-b16", "gather", 16, 4),
-    ("gather-t8-b16", "gather", 16, 8),
-    ("gather-t8-b32", "gather", 32, 8),
-    ("direct-b16", "direct", 16, 1),
-    ("direct-b64", "direct", 64, 1),
+VARIANTS = [  # name, mode, batch_blocks, num_threads, num_buffers
+    ("gather-t1-b64", "gather", 64, 1, 2),
+    ("gather-t8-b64", "gather", 64, 8, 2),
+    ("gather-t16-b64", "gather", 64, 16, 2),
+    ("direct-b16", "direct", 16, 1, 2),
+    ("direct-b64", "direct", 64, 1, 2),
+    ("direct-b64-nb3", "direct", 64, 1, 3),
+    ("direct-b128", "direct", 128, 1, 2),
+    ("direct-b32-nb4", "direct", 32, 1, 4),
 ]
+SCATTER_HEADS_PER_PROG = [1, 2, 8]
 
 
 def llama3_rope(geo: KvGeometry) -> RopeSpec:
@@ -45,6 +50,47 @@ def fill_random_pinned(host: torch.Tensor, chunk_rows: int = 128) -> None:
     for r in range(0, host.shape[0], chunk_rows):
         part = host[r:r + chunk_rows]
         part.copy_(torch.randn(part.shape, device="cuda", dtype=host.dtype))
+
+
+def gpu_pool_steps(geo, pool, host_slots, keys, vals, slot_mapping, deltas, rope, repeats, base_GBps, nbytes) -> dict:
+    """A step whose selection shares half (then all) of its blocks with the
+    previous step: only the missing half moves host->device (GpuBlockPool.diff)."""
+    n = len(host_slots)
+    gp = GpuBlockPool(n, pool.shape[1:], geo.dtype, "cuda")
+    pipe = RestorePipeline(pool.shape[1:], geo.dtype, "cuda")  # defaults
+    sm_b = slot_mapping.cuda().view(n, geo.block_tokens)
+    dl_b = deltas.cuda().view(n, geo.block_tokens)
+    used = set(host_slots)
+    fresh = [s for s in range(pool.shape[0]) if s not in used][: n - n // 2]
+    sel1, sel2 = list(host_slots), list(host_slots[: n // 2]) + fresh
+
+    def step(sel):
+        d = gp.diff(sel)
+        rows_in = gp.admit(d.incoming, protected=sel)
+        pos = {b: j for j, b in enumerate(sel)}
+        idx_in = torch.tensor([pos[b] for b in d.incoming], dtype=torch.long, device="cuda")
+        idx_res = torch.tensor([pos[b] for b, _ in d.resident], dtype=torch.long, device="cuda")
+        handle = None
+        if d.incoming:
+            handle = pipe.restore(pool, d.incoming, keys, vals, sm_b[idx_in].reshape(-1), dl_b[idx_in].reshape(-1),
+                                  rope, device_buffer=gp.data, device_rows=rows_in)
+        pipe.scatter_resident(gp.data, [r for _, r in d.resident], keys, vals, sm_b[idx_res].reshape(-1),
+                              dl_b[idx_res].reshape(-1), rope)
+        gp.touch(sel)
+        return handle
+
+    step(sel1)
+    torch.cuda.synchronize()
+    half = wall_ms(lambda: (gp.invalidate(fresh), step(sel2)), repeats)
+    full_hit = wall_ms(lambda: step(sel2), repeats)
+    out = {"reuse_50pct_ms": median(half), "reuse_100pct_ms": median(full_hit),
+           "reuse_50pct_effective_GBps": nbytes / median(half) / 1e6,
+           "reuse_100pct_effective_GBps": nbytes / median(full_hit) / 1e6,
+           "plain_h2d_ms_same_bytes": nbytes / base_GBps / 1e6}
+    pipe.close()
+    del gp
+    torch.cuda.empty_cache()
+    return out
 
 
 def run(geo: KvGeometry, working_sets, variants, repeats: int, naive_max_tokens: int) -> dict:
@@ -94,16 +140,19 @@ def run(geo: KvGeometry, working_sets, variants, repeats: int, naive_max_tokens:
                               "copies": n_blocks * pages_per_block * geo.num_layers * 2}
 
         entry["pipeline"] = {}
-        for name, mode, batch_blocks, threads in variants:
+        for name, mode, batch_blocks, threads, buffers in variants:
             pipe = RestorePipeline(pool.shape[1:], geo.dtype, "cuda", batch_blocks=batch_blocks,
-                                   num_threads=threads, mode=mode)
+                                   num_threads=threads, mode=mode, num_buffers=buffers)
             sm, dl = slot_mapping.cuda(), deltas.cuda()
             ms = wall_ms(lambda: pipe.restore(pool, host_slots, keys, vals, sm, dl, rope).wait(), repeats)
             entry["pipeline"][name] = {"mode": mode, "batch_blocks": batch_blocks, "num_threads": threads,
+                                       "num_buffers": buffers,
                                        "ms": median(ms), "GBps": nbytes / median(ms) / 1e6,
                                        "fraction_of_plain_h2d": nbytes / median(ms) / 1e6 / base, "runs_ms": ms}
             pipe.close()
             del pipe
+        entry["gpu_pool_steps"] = gpu_pool_steps(geo, pool, host_slots, keys, vals, slot_mapping, deltas, rope,
+                                                 repeats, base, nbytes)
         # Check the last pipeline result against the reference on a sample of layers.
         staged = pool[host_slots[:64]].cuda()
         kv_ref = torch.zeros_like(kv[:2])
@@ -128,14 +177,20 @@ def run(geo: KvGeometry, working_sets, variants, repeats: int, naive_max_tokens:
     vals = [kv[l, 1] for l in range(geo.num_layers)]
     sm = torch.randperm(tokens, generator=gen).cuda()
     dl = torch.randint(-100000, 100000, (tokens,), generator=gen).cuda()
-    tri = event_ms(lambda: rope_kernel.scatter_rerope(staging, keys, vals, sm, dl, rope), repeats=10, warmup=2)
-    ref = event_ms(lambda: scatter_reference.scatter_rerope(staging, keys, vals, sm, dl, rope), repeats=3)
     nbytes = n_blocks * geo.block_bytes
+    d2d = torch.empty_like(staging)
+    copy_ms = median(event_ms(lambda: d2d.copy_(staging), repeats=10, warmup=2))
+    ref = event_ms(lambda: scatter_reference.scatter_rerope(staging, keys, vals, sm, dl, rope), repeats=3)
     results["scatter_only"] = {
-        "tokens": tokens, "bytes_moved": 2 * nbytes,
-        "triton_ms": median(tri), "triton_hbm_GBps": 2 * nbytes / median(tri) / 1e6,
-        "reference_ms": median(ref), "speedup_vs_reference": median(ref) / median(tri),
+        "tokens": tokens, "bytes_moved": 2 * nbytes, "reference_ms": median(ref),
+        "d2d_copy_ms": copy_ms, "d2d_copy_GBps": 2 * nbytes / copy_ms / 1e6, "triton": {},
     }
+    for hpp in SCATTER_HEADS_PER_PROG:
+        tri = median(event_ms(lambda: rope_kernel.scatter_rerope(staging, keys, vals, sm, dl, rope,
+                                                                 heads_per_prog=hpp), repeats=10, warmup=2))
+        results["scatter_only"]["triton"][f"heads_per_prog={hpp}"] = {
+            "ms": tri, "hbm_GBps": 2 * nbytes / tri / 1e6, "fraction_of_d2d_copy": copy_ms / tri,
+            "speedup_vs_reference": median(ref) / tri}
     return results
 
 
@@ -153,10 +208,11 @@ def main() -> None:
         print(f"restore {s['tokens']:>6} tok  plain {s['plain_h2d']['GBps']:.1f} GB/s  "
               + (f"naive {s['naive']['GBps']:.1f}  " if "naive" in s else "")
               + "  ".join(f"{k} {v['GBps']:.1f} ({v['fraction_of_plain_h2d']:.2f})" for k, v in s["pipeline"].items())
-              + f"  err {s['check_max_abs_err_vs_reference']:.3g}")
+              + f"  err {s['check_max_abs_err_vs_reference']:.3g}  pool-reuse 50%: {s['gpu_pool_steps']['reuse_50pct_ms']:.1f} ms"
+              + f" 100%: {s['gpu_pool_steps']['reuse_100pct_ms']:.1f} ms")
     so = res["scatter_only"]
-    print(f"scatter-only {so['tokens']} tok: triton {so['triton_ms']:.2f} ms ({so['triton_hbm_GBps']:.0f} GB/s), "
-          f"reference {so['reference_ms']:.1f} ms")
+    print(f"scatter-only {so['tokens']} tok: d2d copy {so['d2d_copy_ms']:.2f} ms, reference {so['reference_ms']:.1f} ms, "
+          + ", ".join(f"{k} {v['ms']:.2f} ms ({v['hbm_GBps']:.0f} GB/s)" for k, v in so["triton"].items()))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import math
 import torch
 
 from common import LLAMA3_8B, KvGeometry, event_ms, machine_facts, median, write_json
+from vllm_sekv.store.gpu_pool import GpuBlockPool
+from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.triton_kernels.scoring import kernel, reference, select_blocks
 from vllm_sekv.triton_kernels.scoring.kernel import ScoringConfig
 
@@ -30,7 +32,7 @@ CONFIGS = {
     "m128n64-w8s2/m128n64-w8s2": ScoringConfig(128, 64, 8, 2, 128, 64, 8, 2),
 }
 GPU_POOL_TOKENS = 65536  # fixed-capacity GPU block pool (one 64K working set)
-STAGING_BYTES = 2 * 16  # num_buffers x batch_blocks (blocks) of the restore pipeline
+VARIANT_SIZES = (1048576, 10_000_000)  # sizes at which fp8 / d'=32 index variants are timed
 
 
 def matmul_tflops() -> float:
@@ -42,6 +44,32 @@ def matmul_tflops() -> float:
 
 def scoring_flops(geo: KvGeometry, tokens: int, blocks: int) -> float:
     return 2 * 2 * geo.num_layers * geo.q_heads * tokens * blocks * geo.head_dim
+
+
+def index_variants(q, index, cfg, scores_bf16, repeats) -> dict:
+    """Cheaper index designs, same kernel: fp8 (e4m3) index and queries, and a
+    d'=32 projection (here the first 32 dims; latency only, accuracy is the
+    index study's question). Top-64 overlap is against the bf16 kernel's scores."""
+    res = {}
+    top = set(scores_bf16.topk(64).indices.tolist())
+    try:
+        idx8 = index.to(torch.float8_e4m3fn)
+        ms = median(event_ms(lambda: kernel.score_blocks(q, idx8, None, "max", cfg), repeats=repeats))
+        s8 = kernel.score_blocks(q, idx8, None, "max", cfg)
+        res["fp8_e4m3"] = {"ms": ms, "top64_overlap_vs_bf16": len(top & set(s8.topk(64).indices.tolist())) / 64,
+                           "rel_diff_vs_bf16": ((s8 - scores_bf16).norm() / scores_bf16.norm()).item()}
+        del idx8, s8
+    except Exception as exc:
+        res["fp8_e4m3"] = {"error": repr(exc)[:300]}
+    try:
+        q32, idx32 = q[..., :32].contiguous(), index[..., :32].contiguous()
+        ms = median(event_ms(lambda: kernel.score_blocks(q32, idx32, None, "max", cfg), repeats=repeats))
+        res["proj32_bf16"] = {"ms": ms}
+        del q32, idx32
+    except Exception as exc:
+        res["proj32_bf16"] = {"error": repr(exc)[:300]}
+    torch.cuda.empty_cache()
+    return res
 
 
 def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: bool) -> dict:
@@ -67,6 +95,16 @@ def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: b
         del index
     out["config"] = cfg_name
     torch.cuda.empty_cache()
+    # (c) the fixed-size parts, allocated for real and kept alive across sizes.
+    before = torch.cuda.memory_allocated()
+    gpu_pool = GpuBlockPool(GPU_POOL_TOKENS // geo.block_tokens,
+                            (2, geo.num_layers, geo.block_tokens, geo.kv_heads, geo.head_dim), geo.dtype, "cuda")
+    pool_bytes = torch.cuda.memory_allocated() - before
+    before = torch.cuda.memory_allocated()
+    pipe = RestorePipeline((2, geo.num_layers, geo.block_tokens, geo.kv_heads, geo.head_dim), geo.dtype, "cuda")
+    staging_bytes = torch.cuda.memory_allocated() - before
+    out["fixed_memory"] = {"gpu_pool_tokens": GPU_POOL_TOKENS, "gpu_pool_bytes": pool_bytes,
+                           "restore_staging_bytes": staging_bytes, "query_bytes": q.numel() * q.element_size()}
     for tokens in workspaces:
         blocks = math.ceil(tokens / geo.block_tokens)
         torch.cuda.synchronize()
@@ -104,22 +142,26 @@ def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: b
                 entry["reference_ms"] = None
                 entry["reference_error"] = repr(exc)[:200]
                 torch.cuda.empty_cache()
+        if tokens in VARIANT_SIZES:
+            entry["variants"] = index_variants(q, index, cfg, scores, repeats)
         # (c) memory: the index grows with the workspace; pools and staging are fixed.
         entry["memory"] = {
             "index_bf16_bytes": index_bytes,
             "index_fp8_bytes": index_bytes // 2,
             "index_proj32_bf16_bytes": index_bytes * 32 // geo.head_dim,
             "scoring_transient_bytes": entry["scoring_transient_bytes"],
-            "gpu_pool_bytes": GPU_POOL_TOKENS // geo.block_tokens * geo.block_bytes,
-            "restore_staging_bytes": STAGING_BYTES * geo.block_bytes,
+            "gpu_pool_bytes": pool_bytes,
+            "restore_staging_bytes": staging_bytes,
+            "total_allocated_bytes": torch.cuda.memory_allocated(),
             "index_fraction_of_gpu": index_bytes / torch.cuda.get_device_properties(0).total_memory,
         }
         out["sizes"].append(entry)
         print(f"score {tokens:>9} tok ({blocks} blk): triton max {entry['triton_max_ms']:.2f} ms "
               f"mean {entry['triton_mean_ms']:.2f} ms ({entry['fraction_of_matmul_rate']:.2f} of matmul), "
               f"ref {entry.get('reference_ms') or float('nan'):.1f} ms, err {entry.get('rel_err_max', float('nan')):.2e}, "
-              f"index {index_bytes / 2**30:.2f} GiB, transient {entry['scoring_transient_bytes'] / 2**20:.0f} MiB",
-              flush=True)
+              f"index {index_bytes / 2**30:.2f} GiB, transient {entry['scoring_transient_bytes'] / 2**20:.0f} MiB, "
+              f"allocated {entry['memory']['total_allocated_bytes'] / 2**30:.2f} GiB"
+              + (f", variants {entry['variants']}" if "variants" in entry else ""), flush=True)
         del index, scores
         torch.cuda.empty_cache()
     return out

@@ -1,6 +1,8 @@
 """Run by test_interpreter.py in a subprocess with TRITON_INTERPRET=1: the Triton
 kernels execute on CPU through Triton's interpreter and must match the
 references. Exits non-zero (AssertionError) on a mismatch."""
+import functools
+
 import torch
 
 from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
@@ -25,14 +27,18 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
     staging = torch.randn(3, 2, layers, bt, heads, head_dim).half()
     kv_ref = torch.randn(layers, 2, pages, heads, page_size, head_dim).half()  # head-major storage
     kv_tri = kv_ref.clone()
+    kv_tri2 = kv_ref.clone()
     inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     rope = RopeSpec(inv, rotary_dim, neox)
     slots = torch.randperm(pages * page_size)[:2 * bt]
     slots[::5] = -1
     deltas = torch.randint(-100, 100000, (2 * bt,))
     src_rows = torch.tensor([2, 0])
-    for kv, fn in ((kv_ref, scatter_reference.scatter_rerope), (kv_tri, rope_kernel.scatter_rerope)):
+    two_heads_per_prog = functools.partial(rope_kernel.scatter_rerope, heads_per_prog=2)  # 3 heads: a ragged group
+    for kv, fn in ((kv_ref, scatter_reference.scatter_rerope), (kv_tri, rope_kernel.scatter_rerope),
+                   (kv_tri2, two_heads_per_prog)):
         fn(staging, [kv[l, 0].transpose(1, 2) for l in range(layers)], [kv[l, 1].transpose(1, 2) for l in range(layers)],
            slots, deltas, rope, src_rows)
     torch.testing.assert_close(kv_tri, kv_ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(kv_tri2, kv_ref, rtol=1e-3, atol=1e-3)
 print("ok")

@@ -13,8 +13,9 @@ rotates in float32 and rounds once to the cache dtype. The table costs
 `rotary_dim * 4` bytes per token against `num_layers * kv_heads * head_dim * 4`
 bytes of K/V moved, i.e. well under 1% of the traffic.
 
-Grid: [token tiles, kv_heads, layers]. Memory-bound: reads the staged K/V once
-and writes each byte once.
+Grid: [token tiles, kv-head groups of `heads_per_prog`, layers]; a program
+loads its tokens' cos/sin once and reuses them for its heads. Memory-bound:
+reads the staged K/V once and writes each byte once.
 """
 from __future__ import annotations
 
@@ -45,14 +46,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Trit
 @triton.jit
 def _scatter_rerope_kernel(
     STAGING, SRC_ROWS, SLOTS, COS, SIN, KPTRS, VPTRS,
-    num_tokens, page_size, row_stride, half_stride, layer_stride, tok_stride,
+    num_tokens, kv_heads, page_size, row_stride, half_stride, layer_stride, tok_stride,
     k_sp, k_st, k_sh, k_sd, v_sp, v_st, v_sh, v_sd,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_SRC_ROWS: tl.constexpr, HAS_PASS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    head = tl.program_id(1)
+    pid_h = tl.program_id(1)
     layer = tl.program_id(2)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = toks < num_tokens
@@ -64,14 +65,14 @@ def _scatter_rerope_kernel(
     if HAS_SRC_ROWS:
         blk = tl.load(SRC_ROWS + blk, mask=t_mask, other=0)
     blk = blk.to(tl.int64)
-    src = STAGING + blk * row_stride + layer * layer_stride + (toks % BLOCK_TOKENS) * tok_stride + head * HEAD_DIM
+    src_tok = STAGING + blk * row_stride + layer * layer_stride + (toks % BLOCK_TOKENS) * tok_stride
     DTYPE = STAGING.dtype.element_ty
     k_base = tl.load(KPTRS + layer).to(tl.pointer_type(DTYPE))
     v_base = tl.load(VPTRS + layer).to(tl.pointer_type(DTYPE))
-    k_dst = k_base + page * k_sp + off * k_st + head * k_sh
-    v_dst = v_base + page * v_sp + off * v_st + head * v_sh
+    k_tok = k_base + page * k_sp + off * k_st
+    v_tok = v_base + page * v_sp + off * v_st
 
-    # K: rotate pairs (i, i + HALF) (neox) or (2i, 2i + 1) (interleaved).
+    # Pairs (i, i + HALF) (neox) or (2i, 2i + 1) (interleaved); cos/sin loaded once per program.
     ii = tl.arange(0, BLOCK_HALF)
     i_mask = ii < HALF
     if IS_NEOX:
@@ -81,25 +82,34 @@ def _scatter_rerope_kernel(
         d1 = 2 * ii
         d2 = 2 * ii + 1
     m2 = t_mask[:, None] & i_mask[None, :]
-    x1 = tl.load(src[:, None] + d1[None, :], mask=m2, other=0.0).to(tl.float32)
-    x2 = tl.load(src[:, None] + d2[None, :], mask=m2, other=0.0).to(tl.float32)
     cs = toks[:, None].to(tl.int64) * HALF + ii[None, :]
     cos = tl.load(COS + cs, mask=m2, other=1.0)
     sin = tl.load(SIN + cs, mask=m2, other=0.0)
-    y1 = x1 * cos - x2 * sin
-    y2 = x2 * cos + x1 * sin
-    wm = w_mask[:, None] & i_mask[None, :]
-    tl.store(k_dst[:, None] + d1[None, :] * k_sd, y1.to(DTYPE), mask=wm)
-    tl.store(k_dst[:, None] + d2[None, :] * k_sd, y2.to(DTYPE), mask=wm)
     dd = tl.arange(0, BLOCK_D)
-    if HAS_PASS:  # dims [2*HALF, HEAD_DIM) are not rotated
-        p_mask = (dd >= 2 * HALF) & (dd < HEAD_DIM)
-        xp = tl.load(src[:, None] + dd[None, :], mask=t_mask[:, None] & p_mask[None, :], other=0.0)
-        tl.store(k_dst[:, None] + dd[None, :] * k_sd, xp, mask=w_mask[:, None] & p_mask[None, :])
-    # V: plain copy.
     d_mask = dd < HEAD_DIM
-    v = tl.load(src[:, None] + half_stride + dd[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
-    tl.store(v_dst[:, None] + dd[None, :] * v_sd, v, mask=w_mask[:, None] & d_mask[None, :])
+    for hh in tl.static_range(HEADS_PER_PROG):
+        head = pid_h * HEADS_PER_PROG + hh
+        h_ok = (tl.zeros([BLOCK_T], tl.int32) + head) < kv_heads
+        r_mask = t_mask & h_ok  # rows to read
+        s_mask = w_mask & h_ok  # rows to write
+        src = src_tok + head * HEAD_DIM
+        k_dst = k_tok + head * k_sh
+        v_dst = v_tok + head * v_sh
+        lm = r_mask[:, None] & i_mask[None, :]
+        x1 = tl.load(src[:, None] + d1[None, :], mask=lm, other=0.0).to(tl.float32)
+        x2 = tl.load(src[:, None] + d2[None, :], mask=lm, other=0.0).to(tl.float32)
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        wm = s_mask[:, None] & i_mask[None, :]
+        tl.store(k_dst[:, None] + d1[None, :] * k_sd, y1.to(DTYPE), mask=wm)
+        tl.store(k_dst[:, None] + d2[None, :] * k_sd, y2.to(DTYPE), mask=wm)
+        if HAS_PASS:  # dims [2*HALF, HEAD_DIM) are not rotated
+            p_mask = (dd >= 2 * HALF) & d_mask
+            xp = tl.load(src[:, None] + dd[None, :], mask=r_mask[:, None] & p_mask[None, :], other=0.0)
+            tl.store(k_dst[:, None] + dd[None, :] * k_sd, xp, mask=s_mask[:, None] & p_mask[None, :])
+        # V: plain copy.
+        v = tl.load(src[:, None] + half_stride + dd[None, :], mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+        tl.store(v_dst[:, None] + dd[None, :] * v_sd, v, mask=s_mask[:, None] & d_mask[None, :])
 
 
 _PTR_TABLES: dict[tuple, torch.Tensor] = {}
@@ -133,6 +143,7 @@ def scatter_rerope(
     rope: RopeSpec,
     src_rows: torch.Tensor | None = None,
     block_t: int = 32,
+    heads_per_prog: int = 8,
 ) -> None:
     """Triton version of `scatter_reference.scatter_rerope` (same arguments).
 
@@ -161,14 +172,15 @@ def scatter_rerope(
     cos, sin = rope_cos_sin(delta_positions, rope, device)
     rows = None if src_rows is None else src_rows.to(device=device, dtype=torch.int64, non_blocking=True)
     half = rd // 2
-    grid = (triton.cdiv(num_tokens, block_t), kv_heads, num_layers)
+    heads_per_prog = max(1, min(heads_per_prog, kv_heads))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(kv_heads, heads_per_prog), num_layers)
     _scatter_rerope_kernel[grid](
         staging, rows if rows is not None else slots, slots, cos, sin,
         _pointer_table(key_caches), _pointer_table(value_caches),
-        num_tokens, key_caches[0].shape[1], staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
+        num_tokens, kv_heads, key_caches[0].shape[1], staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
         ks[0], ks[1], ks[2], ks[3], vs[0], vs[1], vs[2], vs[3],
         HEAD_DIM=head_dim, HALF=half, BLOCK_TOKENS=block_tokens,
         IS_NEOX=rope.is_neox_style, HAS_SRC_ROWS=rows is not None, HAS_PASS=rd < head_dim,
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_PROG=heads_per_prog, num_warps=4,
     )

@@ -34,6 +34,9 @@ import triton.language as tl
 from .reference import check_scoring_args
 
 _LOG2E = 1.4426950408889634
+# float8_e4m3fn is experimental: queries are cast to fp8 too (no scaling), which
+# only suits activations well inside e4m3's range; benchmarks measure its effect.
+_INDEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Triton's interpreter
@@ -141,15 +144,16 @@ def score_blocks(
 ) -> torch.Tensor:
     """Triton version of `reference.score_blocks`; same arguments and result.
 
-    Queries are cast to the index dtype (fp16, bf16 or fp32) and made contiguous;
+    Queries are cast to the index dtype (fp16, bf16, fp32 or, experimental,
+    float8_e4m3fn) and made contiguous;
     the index needs a contiguous last dim. `config` picks tile shapes
     (benchmarks sweep it). Raises ValueError on bad shapes, non-CUDA tensors.
     """
     num_blocks = check_scoring_args(queries, index, num_blocks, combine)
     if not _INTERPRET and not (queries.is_cuda and index.is_cuda):
         raise ValueError("the Triton scoring kernel needs CUDA tensors; use the reference elsewhere")
-    if index.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"unsupported index dtype {index.dtype}")
+    if index.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"unsupported index dtype {index.dtype}; use one of {_INDEX_DTYPES}")
     if index.stride(3) != 1 or index.stride(1) != index.shape[2] * index.shape[3] or index.stride(2) != index.shape[3]:
         raise ValueError("index must be contiguous within a block (strides [*, H*D, D, 1])")
     cfg = config or DEFAULT_CONFIG

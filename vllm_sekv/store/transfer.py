@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from vllm_sekv import ops
@@ -58,8 +59,10 @@ def coalesce_runs(src: Sequence[int], dst: Sequence[int] | None = None) -> list[
 class HostGatherer:
     """Copies scattered rows of a host tensor into a staging tensor with threads.
 
-    `gather` is blocking and may run on any thread; torch's copy releases the
-    GIL, so `num_threads` copies proceed in parallel. Mutates only `out`.
+    `gather` is blocking and may run on any thread. Each piece is one plain
+    memcpy (numpy's copy of a byte view, which releases the GIL and, unlike
+    torch's CPU copy, starts no intra-op thread team of its own), so
+    `num_threads` copies proceed in parallel. Mutates only `out`.
     """
 
     def __init__(self, num_threads: int = 4) -> None:
@@ -77,8 +80,7 @@ class HostGatherer:
         share = max(1, -(-len(slots) // self.num_threads))
         pieces = [(s + o, d + o, min(share, n - o)) for s, d, n in runs for o in range(0, n, share)]
         if self._executor is None or len(pieces) == 1:
-            for s, d, n in pieces:
-                out[d:d + n].copy_(pool[s:s + n])
+            _copy_pieces(pool, out, pieces)
             return
         chunks = [pieces[i::self.num_threads] for i in range(self.num_threads)]
         futures = [self._executor.submit(_copy_pieces, pool, out, c) for c in chunks if c]
@@ -90,7 +92,17 @@ class HostGatherer:
             self._executor.shutdown(wait=True)
 
 
+def _byte_rows(t: torch.Tensor):
+    """numpy uint8 view [rows, row_bytes] of a contiguous CPU tensor (no copy)."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+
+
 def _copy_pieces(pool: torch.Tensor, out: torch.Tensor, pieces: list[tuple[int, int, int]]) -> None:
+    if pool.device.type == "cpu" and out.device.type == "cpu" and pool.is_contiguous() and out.is_contiguous():
+        src, dst = _byte_rows(pool), _byte_rows(out)
+        for s, d, n in pieces:
+            np.copyto(dst[d:d + n], src[s:s + n])
+        return
     for s, d, n in pieces:
         out[d:d + n].copy_(pool[s:s + n])
 
@@ -121,11 +133,14 @@ class RestorePipeline:
     Allocates `num_buffers` device staging buffers and (gather mode, CUDA)
     `num_buffers` pinned host buffers of `batch_blocks` slots each.
     One pipeline per worker; `restore` calls must come from one thread.
+    Default "direct": measured fastest on the H200 machine (see
+    benchmarks/results/gpu/); it needs a pinned pool and falls back to
+    "gather" for a pageable one.
     """
 
     def __init__(self, block_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
-                 batch_blocks: int = 16, num_buffers: int = 2, num_threads: int = 4,
-                 mode: str = "gather") -> None:
+                 batch_blocks: int = 64, num_buffers: int = 2, num_threads: int = 4,
+                 mode: str = "direct") -> None:
         if len(block_shape) != 5 or block_shape[0] != 2:
             raise ValueError(f"block_shape must be [2, layers, block_tokens, kv_heads, head_dim], got {block_shape}")
         if mode not in GATHER_MODES:
