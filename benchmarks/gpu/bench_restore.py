@@ -21,21 +21,21 @@ import torch
 
 from common import LLAMA3_8B, KvGeometry, event_ms, machine_facts, median, wall_ms, write_json
 from vllm_sekv.store.gpu_pool import GpuBlockPool
+from vllm_sekv.store import native_copy
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
 from vllm_sekv.triton_kernels.rope import scatter_reference
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
 
 WORKING_SETS = [8192, 65536]  # tokens
-VARIANTS = [  # name, mode, batch_blocks, num_threads, num_buffers
-    ("gather-t1-b64", "gather", 64, 1, 2),
-    ("gather-t8-b64", "gather", 64, 8, 2),
-    ("gather-t16-b64", "gather", 64, 16, 2),
-    ("direct-b16", "direct", 16, 1, 2),
-    ("direct-b64", "direct", 64, 1, 2),
-    ("direct-b64-nb3", "direct", 64, 1, 3),
-    ("direct-b128", "direct", 128, 1, 2),
-    ("direct-b32-nb4", "direct", 32, 1, 4),
+VARIANTS = [  # name, mode, batch_blocks, num_threads, num_buffers, native batched copy
+    ("gather-t8-b64", "gather", 64, 8, 2, False),
+    ("gather-t16-b64", "gather", 64, 16, 2, False),
+    ("direct-torchcopy-b64", "direct", 64, 1, 2, False),
+    ("direct-torchcopy-b128", "direct", 128, 1, 2, False),
+    ("direct-native-b16", "direct", 16, 1, 2, True),
+    ("direct-native-b64", "direct", 64, 1, 2, True),
+    ("direct-native-b128", "direct", 128, 1, 2, True),
 ]
 SCATTER_HEADS_PER_PROG = [1, 2, 8]
 
@@ -50,6 +50,32 @@ def fill_random_pinned(host: torch.Tensor, chunk_rows: int = 128) -> None:
     for r in range(0, host.shape[0], chunk_rows):
         part = host[r:r + chunk_rows]
         part.copy_(torch.randn(part.shape, device="cuda", dtype=host.dtype))
+
+
+def copy_probe(pool, n_blocks, repeats) -> dict:
+    """Where per-copy cost comes from: n block-sized (4 MiB) H2D copies, from
+    scattered or consecutive pinned slots, issued by torch or by the native call."""
+    dst = torch.empty((n_blocks, *pool.shape[1:]), dtype=pool.dtype, device="cuda")
+    gen = torch.Generator().manual_seed(1)
+    scattered = torch.randperm(pool.shape[0], generator=gen)[:n_blocks].tolist()
+    stream = torch.cuda.current_stream()
+    out = {"copies": n_blocks, "bytes": dst.numel() * dst.element_size()}
+
+    def torch_copies(slots):
+        for j, s in enumerate(slots):
+            dst[j].copy_(pool[s], non_blocking=True)
+
+    for name, slots in (("scattered", scattered), ("consecutive", list(range(n_blocks)))):
+        ms = median(wall_ms(lambda: torch_copies(slots), repeats))
+        out[f"torch_{name}_GBps"] = out["bytes"] / ms / 1e6
+        native = native_copy.load()
+        if native is not None:
+            bb = dst[0].numel() * dst.element_size()
+            runs = torch.tensor([[s * bb, j * bb, bb] for j, s in enumerate(slots)], dtype=torch.int64)
+            ms = median(wall_ms(lambda: native.h2d_runs(dst, pool, runs, stream.cuda_stream), repeats))
+            out[f"native_{name}_GBps"] = out["bytes"] / ms / 1e6
+    del dst
+    return out
 
 
 def gpu_pool_steps(geo, pool, host_slots, keys, vals, slot_mapping, deltas, rope, repeats, base_GBps, nbytes) -> dict:
@@ -140,17 +166,21 @@ def run(geo: KvGeometry, working_sets, variants, repeats: int, naive_max_tokens:
                               "copies": n_blocks * pages_per_block * geo.num_layers * 2}
 
         entry["pipeline"] = {}
-        for name, mode, batch_blocks, threads, buffers in variants:
+        for name, mode, batch_blocks, threads, buffers, native in variants:
+            if native and native_copy.load() is None:
+                entry["pipeline"][name] = {"error": "native copy did not build"}
+                continue
             pipe = RestorePipeline(pool.shape[1:], geo.dtype, "cuda", batch_blocks=batch_blocks,
-                                   num_threads=threads, mode=mode, num_buffers=buffers)
+                                   num_threads=threads, mode=mode, num_buffers=buffers, use_native_copy=native)
             sm, dl = slot_mapping.cuda(), deltas.cuda()
             ms = wall_ms(lambda: pipe.restore(pool, host_slots, keys, vals, sm, dl, rope).wait(), repeats)
             entry["pipeline"][name] = {"mode": mode, "batch_blocks": batch_blocks, "num_threads": threads,
-                                       "num_buffers": buffers,
+                                       "num_buffers": buffers, "native_copy": native,
                                        "ms": median(ms), "GBps": nbytes / median(ms) / 1e6,
                                        "fraction_of_plain_h2d": nbytes / median(ms) / 1e6 / base, "runs_ms": ms}
             pipe.close()
             del pipe
+        entry["copy_probe"] = copy_probe(pool, n_blocks, repeats)
         entry["gpu_pool_steps"] = gpu_pool_steps(geo, pool, host_slots, keys, vals, slot_mapping, deltas, rope,
                                                  repeats, base, nbytes)
         # Check the last pipeline result against the reference on a sample of layers.
@@ -207,9 +237,10 @@ def main() -> None:
     for s in res["sets"]:
         print(f"restore {s['tokens']:>6} tok  plain {s['plain_h2d']['GBps']:.1f} GB/s  "
               + (f"naive {s['naive']['GBps']:.1f}  " if "naive" in s else "")
-              + "  ".join(f"{k} {v['GBps']:.1f} ({v['fraction_of_plain_h2d']:.2f})" for k, v in s["pipeline"].items())
+              + "  ".join(f"{k} {v['GBps']:.1f} ({v['fraction_of_plain_h2d']:.2f})" if "GBps" in v else f"{k} {v}"
+                          for k, v in s["pipeline"].items())
               + f"  err {s['check_max_abs_err_vs_reference']:.3g}  pool-reuse 50%: {s['gpu_pool_steps']['reuse_50pct_ms']:.1f} ms"
-              + f" 100%: {s['gpu_pool_steps']['reuse_100pct_ms']:.1f} ms")
+              + f" 100%: {s['gpu_pool_steps']['reuse_100pct_ms']:.1f} ms  probe {s['copy_probe']}")
     so = res["scatter_only"]
     print(f"scatter-only {so['tokens']} tok: d2d copy {so['d2d_copy_ms']:.2f} ms, reference {so['reference_ms']:.1f} ms, "
           + ", ".join(f"{k} {v['ms']:.2f} ms ({v['hbm_GBps']:.0f} GB/s)" for k, v in so["triton"].items()))

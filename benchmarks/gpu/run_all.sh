@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and all GPU benchmarks on the device machine; writes under $OUT.
-# Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu/run_all.sh [quick]
+# Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu/run_all.sh [all|restore|scoring|quick]
 set -u
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 # Import the package from a copy laid out as installed (triton_kernels under vllm_sekv),
 # so nothing depends on the machine's pip; -P keeps the repo root off sys.path.
 rm -rf /tmp/sekv_pp && mkdir -p /tmp/sekv_pp && cp -r vllm_sekv /tmp/sekv_pp/ \
-    && cp -r triton_kernels /tmp/sekv_pp/vllm_sekv/triton_kernels || exit 1
-export PYTHONPATH=/tmp/sekv_pp
+    && cp -r triton_kernels /tmp/sekv_pp/vllm_sekv/triton_kernels && cp -r csrc /tmp/sekv_pp/vllm_sekv/_csrc || exit 1
+export PYTHONPATH=/tmp/sekv_pp TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+# Build the native copy once, up front, so its compile time stays out of timings.
+timeout 180 python3 -c "import logging, time; logging.basicConfig(); t = time.time()
+from vllm_sekv.store import native_copy as n; print('native copy:', n.load(), f'{time.time() - t:.0f}s')" 2>&1 | tail -5
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv >"$OUT/nvidia_smi.txt" 2>&1
 timeout 150 python3 -P -m pytest -q -m gpu tests/triton_kernels tests/store/test_transfer.py -p no:cacheprovider \
     2>&1 | tail -40 | tee "$OUT/pytest_gpu.log"
 cd benchmarks/gpu
-if [ "${1:-}" = quick ]; then
+what=${1:-all}
+if [ "$what" = quick ]; then
     timeout 120 python3 bench_restore.py --out "$OUT/restore.json" --tokens 8192 --repeats 2 2>&1 | tee "$OUT/restore.log"
     timeout 120 python3 bench_scoring.py --out "$OUT/scoring.json" --tokens 262144 1048576 --no-sweep --repeats 2 2>&1 | tee "$OUT/scoring.log"
-else
-    timeout 200 python3 bench_restore.py --out "$OUT/restore.json" 2>&1 | tee "$OUT/restore.log"
+fi
+if [ "$what" = all ] || [ "$what" = restore ]; then
+    timeout 240 python3 bench_restore.py --out "$OUT/restore.json" 2>&1 | tee "$OUT/restore.log"
+fi
+if [ "$what" = all ] || [ "$what" = scoring ]; then
     timeout 220 python3 bench_scoring.py --out "$OUT/scoring.json" 2>&1 | tee "$OUT/scoring.log"
 fi
