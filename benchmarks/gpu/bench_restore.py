@@ -21,21 +21,19 @@ import torch
 
 from common import LLAMA3_8B, KvGeometry, event_ms, machine_facts, median, wall_ms, write_json
 from vllm_sekv.store.gpu_pool import GpuBlockPool
-from vllm_sekv.store import native_copy
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
 from vllm_sekv.triton_kernels.rope import scatter_reference
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
 
 WORKING_SETS = [8192, 65536]  # tokens
-VARIANTS = [  # name, mode, batch_blocks, num_threads, num_buffers, native batched copy
-    ("gather-t8-b64", "gather", 64, 8, 2, False),
-    ("gather-t16-b64", "gather", 64, 16, 2, False),
-    ("direct-torchcopy-b64", "direct", 64, 1, 2, False),
-    ("direct-torchcopy-b128", "direct", 128, 1, 2, False),
-    ("direct-native-b16", "direct", 16, 1, 2, True),
-    ("direct-native-b64", "direct", 64, 1, 2, True),
-    ("direct-native-b128", "direct", 128, 1, 2, True),
+VARIANTS = [  # name, mode, batch_blocks, num_threads, num_buffers
+    ("gather-t8-b64", "gather", 64, 8, 2),
+    ("gather-t16-b64", "gather", 64, 16, 2),
+    ("direct-b16", "direct", 16, 1, 2),
+    ("direct-b64", "direct", 64, 1, 2),  # RestorePipeline's default
+    ("direct-b64-nb3", "direct", 64, 1, 3),
+    ("direct-b128", "direct", 128, 1, 2),
 ]
 SCATTER_HEADS_PER_PROG = [1, 2, 8]
 
@@ -53,12 +51,11 @@ def fill_random_pinned(host: torch.Tensor, chunk_rows: int = 128) -> None:
 
 
 def copy_probe(pool, n_blocks, repeats) -> dict:
-    """Where per-copy cost comes from: n block-sized (4 MiB) H2D copies, from
-    scattered or consecutive pinned slots, issued by torch or by the native call."""
+    """Per-copy cost of the direct path alone: n block-sized (4 MiB) H2D copies
+    issued by torch, from scattered or from consecutive pinned slots."""
     dst = torch.empty((n_blocks, *pool.shape[1:]), dtype=pool.dtype, device="cuda")
     gen = torch.Generator().manual_seed(1)
     scattered = torch.randperm(pool.shape[0], generator=gen)[:n_blocks].tolist()
-    stream = torch.cuda.current_stream()
     out = {"copies": n_blocks, "bytes": dst.numel() * dst.element_size()}
 
     def torch_copies(slots):
@@ -68,12 +65,6 @@ def copy_probe(pool, n_blocks, repeats) -> dict:
     for name, slots in (("scattered", scattered), ("consecutive", list(range(n_blocks)))):
         ms = median(wall_ms(lambda: torch_copies(slots), repeats))
         out[f"torch_{name}_GBps"] = out["bytes"] / ms / 1e6
-        native = native_copy.load()
-        if native is not None:
-            bb = dst[0].numel() * dst.element_size()
-            runs = torch.tensor([[s * bb, j * bb, bb] for j, s in enumerate(slots)], dtype=torch.int64)
-            ms = median(wall_ms(lambda: native.h2d_runs(dst, pool, runs, stream.cuda_stream), repeats))
-            out[f"native_{name}_GBps"] = out["bytes"] / ms / 1e6
     del dst
     return out
 
@@ -166,16 +157,13 @@ def run(geo: KvGeometry, working_sets, variants, repeats: int, naive_max_tokens:
                               "copies": n_blocks * pages_per_block * geo.num_layers * 2}
 
         entry["pipeline"] = {}
-        for name, mode, batch_blocks, threads, buffers, native in variants:
-            if native and native_copy.load() is None:
-                entry["pipeline"][name] = {"error": "native copy did not build"}
-                continue
+        for name, mode, batch_blocks, threads, buffers in variants:
             pipe = RestorePipeline(pool.shape[1:], geo.dtype, "cuda", batch_blocks=batch_blocks,
-                                   num_threads=threads, mode=mode, num_buffers=buffers, use_native_copy=native)
+                                   num_threads=threads, mode=mode, num_buffers=buffers)
             sm, dl = slot_mapping.cuda(), deltas.cuda()
             ms = wall_ms(lambda: pipe.restore(pool, host_slots, keys, vals, sm, dl, rope).wait(), repeats)
             entry["pipeline"][name] = {"mode": mode, "batch_blocks": batch_blocks, "num_threads": threads,
-                                       "num_buffers": buffers, "native_copy": native,
+                                       "num_buffers": buffers,
                                        "ms": median(ms), "GBps": nbytes / median(ms) / 1e6,
                                        "fraction_of_plain_h2d": nbytes / median(ms) / 1e6 / base, "runs_ms": ms}
             pipe.close()

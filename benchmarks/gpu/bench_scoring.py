@@ -12,6 +12,7 @@ the config used for the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import torch
@@ -47,9 +48,10 @@ def scoring_flops(geo: KvGeometry, tokens: int, blocks: int) -> float:
 
 
 def index_variants(q, index, cfg, scores_bf16, repeats) -> dict:
-    """Cheaper index designs, same kernel: fp8 (e4m3) index and queries, and a
-    d'=32 projection (here the first 32 dims; latency only, accuracy is the
-    index study's question). Top-64 overlap is against the bf16 kernel's scores."""
+    """Cheaper variants, same kernel: fp8 (e4m3) index and queries; exp2 on packed
+    f16 pairs (fast_exp); a d'=32 projection (here the first 32 dims; latency
+    only, accuracy is the index study's question). Top-64 overlap and relative
+    difference are against the bf16 kernel's scores."""
     res = {}
     top = set(scores_bf16.topk(64).indices.tolist())
     try:
@@ -61,6 +63,15 @@ def index_variants(q, index, cfg, scores_bf16, repeats) -> dict:
         del idx8, s8
     except Exception as exc:
         res["fp8_e4m3"] = {"error": repr(exc)[:300]}
+    try:
+        fast = dataclasses.replace(cfg, fast_exp=True)
+        ms = median(event_ms(lambda: kernel.score_blocks(q, index, None, "max", fast), repeats=repeats))
+        sf = kernel.score_blocks(q, index, None, "max", fast)
+        res["fast_exp_f16x2"] = {"ms": ms, "top64_overlap_vs_bf16": len(top & set(sf.topk(64).indices.tolist())) / 64,
+                                 "rel_diff_vs_bf16": ((sf - scores_bf16).norm() / scores_bf16.norm()).item()}
+        del sf
+    except Exception as exc:
+        res["fast_exp_f16x2"] = {"error": repr(exc)[:300]}
     try:
         q32, idx32 = q[..., :32].contiguous(), index[..., :32].contiguous()
         ms = median(event_ms(lambda: kernel.score_blocks(q32, idx32, None, "max", cfg), repeats=repeats))

@@ -7,11 +7,8 @@ mkdir -p "$OUT"
 # Import the package from a copy laid out as installed (triton_kernels under vllm_sekv),
 # so nothing depends on the machine's pip; -P keeps the repo root off sys.path.
 rm -rf /tmp/sekv_pp && mkdir -p /tmp/sekv_pp && cp -r vllm_sekv /tmp/sekv_pp/ \
-    && cp -r triton_kernels /tmp/sekv_pp/vllm_sekv/triton_kernels && cp -r csrc /tmp/sekv_pp/vllm_sekv/_csrc || exit 1
-export PYTHONPATH=/tmp/sekv_pp TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-# Build the native copy once, up front, so its compile time stays out of timings.
-timeout 180 python3 -c "import logging, time; logging.basicConfig(); t = time.time()
-from vllm_sekv.store import native_copy as n; print('native copy:', n.load(), f'{time.time() - t:.0f}s')" 2>&1 | tail -5
+    && cp -r triton_kernels /tmp/sekv_pp/vllm_sekv/triton_kernels || exit 1
+export PYTHONPATH=/tmp/sekv_pp
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv >"$OUT/nvidia_smi.txt" 2>&1
 timeout 150 python3 -P -m pytest -q -m gpu tests/triton_kernels tests/store/test_transfer.py -p no:cacheprovider \
     2>&1 | tail -40 | tee "$OUT/pytest_gpu.log"

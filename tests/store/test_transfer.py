@@ -131,22 +131,3 @@ def test_cuda_pipeline_equals_copy_plus_rotation(mode, dtype, use_gpu_pool):
         torch.testing.assert_close(flat2[:, :, slots[keep].cuda()], flat[:, :, slots[keep].cuda()], rtol=0, atol=0)
     pipe.close()
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_native_h2d_runs_copies_exact_bytes_and_checks_bounds():
-    from vllm_sekv.store import native_copy
-
-    native = native_copy.load()
-    if native is None:
-        pytest.skip("native copy did not build here (no compiler); torch copies are used")
-    src = torch.randint(0, 255, (64, 1000), dtype=torch.uint8).pin_memory()
-    dst = torch.zeros(32, 1000, dtype=torch.uint8, device="cuda")
-    runs = torch.tensor([[5 * 1000, 0, 3 * 1000], [40 * 1000, 10 * 1000, 1000], [63 * 1000, 31 * 1000, 1000]])
-    native.h2d_runs(dst, src, runs, torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    want = torch.zeros(32, 1000, dtype=torch.uint8)
-    want[0:3], want[10], want[31] = src[5:8], src[40], src[63]
-    assert torch.equal(dst.cpu(), want)
-    with pytest.raises(RuntimeError, match="out of bounds"):
-        native.h2d_runs(dst, src, torch.tensor([[63 * 1000, 0, 2000]]), torch.cuda.current_stream().cuda_stream)

@@ -96,3 +96,18 @@ def test_kernel_matches_reference(layers, q_heads, kv_heads, tokens, capacity, v
     # and exp2 rounding differ.
     torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-4 * tokens)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_exp_option_stays_close_to_reference():
+    from vllm_sekv.triton_kernels.scoring import kernel
+
+    q = torch.randn(2, 8, 64, 128, device="cuda").to(torch.bfloat16)
+    index = torch.randn(513, 2, 2, 128, device="cuda").to(torch.bfloat16)
+    fast = kernel.ScoringConfig(fast_exp=True)
+    for combine in ("max", "mean"):
+        got = kernel.score_blocks(q, index, None, combine, fast)
+        want = reference.score_blocks(q, index, None, combine)
+        # fp16 exp2 per term: ~1e-3 relative per probability, averaged over tokens.
+        assert ((got - want).norm() / want.norm()).item() < 1e-2

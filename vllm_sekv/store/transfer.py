@@ -8,9 +8,10 @@ Three stages, overlapped batch by batch (`batch_blocks` workspace blocks each):
 2. host -> device copy on the pipeline's own copy stream (non-blocking): one
    large copy per batch from the pinned staging buffer ("gather" mode), or one
    copy per run of consecutive slots straight from a pinned pool ("direct"
-   mode, no host memcpy; the copy engine does the gather), issued in one
-   native call (`csrc/batched_copy.cpp`, compiled on first use) when it
-   builds, else by torch copies;
+   mode, no host memcpy; the copy engine does the gather). Measured on the
+   H200 machine, 4 MiB torch copies from scattered pinned slots reach 96-97%
+   of one large copy's bandwidth, and a native loop of cudaMemcpyAsync was no
+   faster (benchmarks/results/gpu/run3), so there is no native code here;
 3. scatter + re-RoPE (`vllm_sekv.ops.scatter_rerope`) on the caller's current
    (compute) stream, after a CUDA event of stage 2.
 
@@ -40,7 +41,6 @@ import numpy as np
 import torch
 
 from vllm_sekv import ops
-from vllm_sekv.store import native_copy
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
 
 GATHER_MODES = ("gather", "direct")
@@ -143,7 +143,7 @@ class RestorePipeline:
 
     def __init__(self, block_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
                  batch_blocks: int = 64, num_buffers: int = 2, num_threads: int = 4,
-                 mode: str = "direct", use_native_copy: bool = True) -> None:
+                 mode: str = "direct") -> None:
         if len(block_shape) != 5 or block_shape[0] != 2:
             raise ValueError(f"block_shape must be [2, layers, block_tokens, kv_heads, head_dim], got {block_shape}")
         if mode not in GATHER_MODES:
@@ -156,7 +156,6 @@ class RestorePipeline:
         self.device = torch.device(device)
         self.batch_blocks = batch_blocks
         self.mode = mode
-        self.use_native_copy = use_native_copy
         self.gatherer = HostGatherer(num_threads)
         self.is_cuda = self.device.type == "cuda"
         shape = (batch_blocks, *self.block_shape)
@@ -214,8 +213,6 @@ class RestorePipeline:
             return self._restore_cpu(pool, host_slots, key_caches, value_caches, slots_dev, deltas_dev, rope,
                                      device_buffer, device_rows)
         direct = self.mode == "direct" and pool.is_pinned()
-        native = native_copy.load() if (direct and self.use_native_copy and pool.is_contiguous()) else None
-        bb = self.block_bytes
         compute = torch.cuda.current_stream(self.device)
         # Rows of device_buffer may still be read by earlier compute work.
         self.copy_stream.wait_stream(compute)
@@ -234,11 +231,7 @@ class RestorePipeline:
                     self.copy_stream.wait_event(self._scatter_done[buf])
                 target = self._dev[buf] if rows is None else device_buffer
                 dst_rows = list(range(b1 - b0)) if rows is None else rows
-                if direct and native is not None and target.is_contiguous():
-                    runs = torch.tensor([[s * bb, d * bb, m * bb] for s, d, m in coalesce_runs(batch_slots, dst_rows)],
-                                        dtype=torch.int64)
-                    native.h2d_runs(target, pool, runs, self.copy_stream.cuda_stream)
-                elif direct:
+                if direct:
                     for s, d, m in coalesce_runs(batch_slots, dst_rows):
                         target[d:d + m].copy_(pool[s:s + m], non_blocking=True)
                 else:
