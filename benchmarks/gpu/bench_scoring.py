@@ -133,6 +133,9 @@ def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: b
             entry[f"triton_{combine}_ms"] = median(ms)
             entry[f"triton_{combine}_runs_ms"] = ms
             entry["scoring_transient_bytes"] = torch.cuda.max_memory_allocated() - before
+        qc = q.to(index.dtype).contiguous()
+        entry["triton_pass1_ms"] = median(event_ms(lambda: kernel.row_log2_sum_exp(qc, index, blocks, cfg),
+                                                   repeats=repeats))
         entry["triton_TFLOPs"] = entry["flops"] / entry["triton_max_ms"] / 1e9
         entry["fraction_of_matmul_rate"] = entry["triton_TFLOPs"] / mm
         scores = kernel.score_blocks(q, index, None, "max", cfg)
@@ -168,6 +171,7 @@ def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: b
         }
         out["sizes"].append(entry)
         print(f"score {tokens:>9} tok ({blocks} blk): triton max {entry['triton_max_ms']:.2f} ms "
+              f"(pass 1 {entry['triton_pass1_ms']:.2f} ms) "
               f"mean {entry['triton_mean_ms']:.2f} ms ({entry['fraction_of_matmul_rate']:.2f} of matmul), "
               f"ref {entry.get('reference_ms') or float('nan'):.1f} ms, err {entry.get('rel_err_max', float('nan')):.2e}, "
               f"index {index_bytes / 2**30:.2f} GiB, transient {entry['scoring_transient_bytes'] / 2**20:.0f} MiB, "

@@ -129,7 +129,9 @@ def _accum_kernel(
     kt = tl.trans(k)
     combined = tl.zeros([BLOCK_N], tl.float32)
     for head in range(0, group):
-        acc = tl.zeros([BLOCK_N], tl.float32)
+        # Elementwise accumulation; one reduction over rows per head, not per tile
+        # (a row reduction crosses warps in the matrix-unit layout).
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for t0 in range(0, num_tokens, BLOCK_M):
             toks = t0 + tl.arange(0, BLOCK_M)
             t_mask = toks < num_tokens
@@ -138,12 +140,32 @@ def _accum_kernel(
                         mask=t_mask[:, None] & d_mask[None, :], other=0.0)
             lse = tl.load(lse_base + rows, mask=t_mask, other=float("inf"))
             qk = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale_log2
-            acc += tl.sum(_exp2(qk - lse[:, None], FAST_EXP), 0)
+            acc2 += _exp2(qk - lse[:, None], FAST_EXP)
+        acc = tl.sum(acc2, 0)
         if COMBINE_MAX:
             combined = tl.maximum(combined, acc)
         else:
             combined += acc
     tl.store(PART + pid_lg.to(tl.int64) * part_stride + cols, combined, mask=c_mask)
+
+
+def row_log2_sum_exp(q: torch.Tensor, index: torch.Tensor, num_blocks: int, cfg: ScoringConfig) -> torch.Tensor:
+    """Pass 1 alone: log2-sum-exp2 of each query row's scaled logits over the valid
+    blocks, float32 [layers * kv_heads * group * tokens]. q must already be
+    contiguous in the index dtype (as `score_blocks` prepares it)."""
+    num_layers, q_heads, num_tokens, head_dim = q.shape
+    kv_heads = index.shape[2]
+    group_rows = (q_heads // kv_heads) * num_tokens
+    prec = "ieee" if index.dtype == torch.float32 else "tf32"
+    lse = torch.empty(num_layers * kv_heads * group_rows, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(group_rows, cfg.lse_block_m), num_layers * kv_heads)
+    _lse_kernel[grid](
+        q, index, lse, num_blocks, num_tokens, group_rows, kv_heads, q_heads, index.stride(0),
+        _LOG2E / math.sqrt(head_dim),
+        HEAD_DIM=head_dim, BLOCK_M=cfg.lse_block_m, BLOCK_N=cfg.lse_block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PREC=prec, FAST_EXP=cfg.fast_exp, num_warps=cfg.lse_warps, num_stages=cfg.lse_stages,
+    )
+    return lse
 
 
 def score_blocks(
@@ -177,13 +199,7 @@ def score_blocks(
     block_d = triton.next_power_of_2(head_dim)
     scale = _LOG2E / math.sqrt(head_dim)
     prec = "ieee" if index.dtype == torch.float32 else "tf32"
-    lse = torch.empty(num_layers * kv_heads * group_rows, dtype=torch.float32, device=q.device)
-    grid1 = (triton.cdiv(group_rows, cfg.lse_block_m), num_layers * kv_heads)
-    _lse_kernel[grid1](
-        q, index, lse, num_blocks, num_tokens, group_rows, kv_heads, q_heads, index.stride(0), scale,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.lse_block_m, BLOCK_N=cfg.lse_block_n, BLOCK_D=block_d,
-        DOT_PREC=prec, FAST_EXP=cfg.fast_exp, num_warps=cfg.lse_warps, num_stages=cfg.lse_stages,
-    )
+    lse = row_log2_sum_exp(q, index, num_blocks, cfg)
     part = torch.empty(num_layers * kv_heads, num_blocks, dtype=torch.float32, device=q.device)
     grid2 = (triton.cdiv(num_blocks, cfg.acc_block_n), num_layers * kv_heads)
     _accum_kernel[grid2](
