@@ -11,7 +11,7 @@ Three stages, overlapped batch by batch (`batch_blocks` workspace blocks each):
    mode, no host memcpy; the copy engine does the gather). Measured on the
    H200 machine, 4 MiB torch copies from scattered pinned slots reach 96-97%
    of one large copy's bandwidth, and a native loop of cudaMemcpyAsync was no
-   faster (benchmarks/results/gpu/run3), so there is no native code here;
+   faster (benchmarks/results/gpu/RESULTS.md), so there is no native code here;
 3. scatter + re-RoPE (`vllm_sekv.ops.scatter_rerope`) on the caller's current
    (compute) stream, after a CUDA event of stage 2.
 
