@@ -2,9 +2,10 @@
 
 Three stages, overlapped batch by batch (`batch_blocks` workspace blocks each):
 
-1. host gather (`HostGatherer`, CPU threads, blocking): scattered host-pool slots
-   are copied into one of `num_buffers` pinned staging buffers; coalesced runs of
-   consecutive slots are one memcpy each;
+1. "gather" mode only (the fallback for a pageable pool): host gather
+   (`HostGatherer`, CPU threads, blocking) of the scattered host-pool slots into
+   one of `num_buffers` pinned staging buffers, one memcpy per run of
+   consecutive slots. The default "direct" mode skips this stage;
 2. host -> device copy on the pipeline's own copy stream (non-blocking): one
    large copy per batch from the pinned staging buffer ("gather" mode), or one
    copy per run of consecutive slots straight from a pinned pool ("direct"
@@ -18,7 +19,9 @@ Three stages, overlapped batch by batch (`batch_blocks` workspace blocks each):
 Buffers are reused round-robin: stage 1 of batch i waits on the host for the
 copy that last read its pinned buffer (i - num_buffers); stage 2 waits, on the
 copy stream, for the scatter that last read its device buffer. So batch i's
-gather overlaps batch i-1's copy, which overlaps batch i-2's scatter.
+copy overlaps batch i-1's scatter (and, in gather mode, batch i+1's gather).
+With a `device_buffer` (the GPU block pool) the copies land in its rows and
+the scatter reads them there; the device staging ring is then unused.
 
 On CPU (device "cpu") the same code runs without streams: gather, plain copy,
 reference scatter. `restore` is then fully synchronous.
