@@ -44,3 +44,8 @@ def test_non_config_env_is_ignored():
 def test_bad_config_names_the_key(extra, env, key):
     with pytest.raises(ValueError, match=key):
         SekvConfig.from_sources(extra, environ=env)
+
+
+def test_bad_extra_value_fails_even_when_the_environment_overrides_it():
+    with pytest.raises(ValueError, match="host_bytes"):
+        SekvConfig.from_sources({"host_bytes": "lots"}, environ={"SEKV_HOST_BYTES": "1G"})

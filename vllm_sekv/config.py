@@ -115,7 +115,7 @@ class SekvConfig:
                     f"sekv config: unknown key '{key}' in kv_connector_extra_config; "
                     f"accepted keys: {', '.join(known)}"
                 )
-            raw[key] = value
+            raw[key] = cls._parse(key, value)  # a bad value fails even if overridden
         for name, value in environ.items():
             if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
                 continue
@@ -125,8 +125,8 @@ class SekvConfig:
                     f"sekv config: unknown environment variable '{name}'; accepted: "
                     + ", ".join(ENV_PREFIX + k.upper() for k in known)
                 )
-            raw[key] = value
-        return cls(**{k: cls._parse(k, v) for k, v in raw.items()})
+            raw[key] = cls._parse(key, value)
+        return cls(**raw)
 
     @classmethod
     def _parse(cls, key: str, value: Any) -> Any:

@@ -53,8 +53,11 @@ class LocalServer:
 
     def start(self, timeout_s: float = 600.0) -> "LocalServer":
         log = open(self.log_path, "wb")
+        # Run outside any source checkout: a checkout's top-level `triton_kernels/`
+        # folder on sys.path would shadow the package vLLM imports for MXFP4.
         self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True, cwd=tempfile.gettempdir(),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -1,0 +1,101 @@
+"""The same through the OpenAI-compatible HTTP endpoint of a real `vllm serve`.
+
+The sekv server is started with the one flag users pass,
+`--kv-transfer-config '{"kv_connector":"sekv","kv_role":"kv_both"}'`, and its
+host budget from the environment (`SEKV_HOST_BYTES`). A 3-step chat session
+with a `session_id`, vLLM's prefix cache reset before each step, must give the
+greedy answers of a plain server and restore the history at steps 2 and 3.
+"""
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from vllm_sekv.serving import LocalServer
+
+pytestmark = pytest.mark.engine
+
+VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "float32",
+             "--enable-prompt-tokens-details", "--gpu-memory-utilization", "0.5"]
+ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "SEKV_HOST_BYTES": "512M"}
+BLOCK_TOKENS = 32
+
+
+def post(url, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+
+def chat_session(url, model, essay, extra=None):
+    messages = [{"role": "system", "content": "You are a careful research agent."}]
+    steps = []
+    for i in range(3):
+        chunk = essay[i * 2500 : (i + 1) * 2500]
+        messages.append({"role": "user", "content": f"Tool output:\n{chunk}\n\nSummarize it in one line."})
+        post(url, "/reset_prefix_cache")
+        body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
+                "session_id": "agent-1", **(extra or {})}
+        r = post(url, "/v1/chat/completions", body)
+        steps.append(r)
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+    return steps
+
+
+@pytest.fixture(scope="module")
+def sessions(model_dir, essay):
+    with LocalServer(model_dir, sekv={}, vllm_args=VLLM_ARGS, env=ENV) as server:
+        sekv = chat_session(server.url, model_dir, essay)
+        # A malformed request is refused with a clear error and loses nothing stored.
+        try:
+            post(server.url, "/v1/chat/completions",
+                 {"model": model_dir, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5})
+            bad_status = 200
+        except urllib.error.HTTPError as e:
+            bad_status = e.code
+        again = chat_session(server.url, model_dir, essay)
+    with LocalServer(model_dir, sekv=None, vllm_args=VLLM_ARGS, env=ENV) as server:
+        plain = chat_session(server.url, model_dir, essay)
+    return plain, sekv, bad_status, again
+
+
+def test_answers_equal_plain_vllm(sessions):
+    plain, sekv, _, _ = sessions
+    for p, s in zip(plain, sekv):
+        assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
+        assert s["usage"]["prompt_tokens"] == p["usage"]["prompt_tokens"]
+
+
+def test_history_is_restored_not_prefilled(sessions):
+    plain, sekv, _, _ = sessions
+    assert all(p["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for p in plain)
+    assert sekv[0]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0
+    for prev, step in zip(sekv, sekv[1:]):
+        params = step["kv_transfer_params"]["sekv"]
+        restored = params["restored_tokens"]["host"]
+        # at least every full block of the previous prompt comes back
+        assert restored >= prev["usage"]["prompt_tokens"] // BLOCK_TOKENS * BLOCK_TOKENS
+        assert step["usage"]["prompt_tokens_details"]["cached_tokens"] == restored
+        assert params["prefilled_tokens"] == step["usage"]["prompt_tokens"] - restored
+
+
+def test_bad_request_gets_a_clear_error_and_loses_nothing(sessions):
+    _, sekv, bad_status, again = sessions
+    assert bad_status == 400
+    # The repeated session finds its whole history, first step included.
+    assert again[0]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] > 0
+    for first, second in zip(sekv, again):
+        assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_bad_config_fails_at_start_naming_the_key(model_dir):
+    server = LocalServer(model_dir, sekv={"host_bytes": "lots"}, vllm_args=VLLM_ARGS, env=ENV)
+    with pytest.raises(RuntimeError, match="server exited"):
+        server.start(timeout_s=300)
+    server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert "sekv config 'host_bytes': expected a size like 8G" in log

@@ -1,0 +1,34 @@
+"""The kernels install as `vllm_sekv.triton_kernels`, never as a top-level
+`triton_kernels` (that name is OpenAI's package, which vLLM imports)."""
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+
+
+def _find(module: str) -> str:
+    code = (
+        "import importlib.util as u; s = u.find_spec(%r); "
+        "print(s.origin if s and s.origin else (list(s.submodule_search_locations) if s else None))"
+    ) % module
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tempfile.gettempdir(), check=True)
+    return out.stdout.strip()
+
+
+def test_kernels_are_importable_under_the_plugin_namespace():
+    assert "triton_kernels" in _find("vllm_sekv.triton_kernels")
+
+
+def test_no_top_level_triton_kernels_from_this_project():
+    found = _find("triton_kernels")
+    assert found == "None" or (CHECKOUT not in found and "vllm_sekv" not in found), found
+
+
+def test_plugin_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("sekv") == "vllm_sekv.plugin:register"
