@@ -58,20 +58,22 @@ def sessions(model_dir, essay):
         except urllib.error.HTTPError as e:
             bad_status = e.code
         again = chat_session(server.url, model_dir, essay)
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
     with LocalServer(model_dir, sekv=None, vllm_args=VLLM_ARGS, env=ENV) as server:
         plain = chat_session(server.url, model_dir, essay)
-    return plain, sekv, bad_status, again
+    return plain, sekv, bad_status, again, metrics
 
 
 def test_answers_equal_plain_vllm(sessions):
-    plain, sekv, _, _ = sessions
+    plain, sekv, _, _, _ = sessions
     for p, s in zip(plain, sekv):
         assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
         assert s["usage"]["prompt_tokens"] == p["usage"]["prompt_tokens"]
 
 
 def test_history_is_restored_not_prefilled(sessions):
-    plain, sekv, _, _ = sessions
+    plain, sekv, _, _, _ = sessions
     assert all(p["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for p in plain)
     assert sekv[0]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0
     for prev, step in zip(sekv, sekv[1:]):
@@ -84,12 +86,20 @@ def test_history_is_restored_not_prefilled(sessions):
 
 
 def test_bad_request_gets_a_clear_error_and_loses_nothing(sessions):
-    _, sekv, bad_status, again = sessions
+    _, sekv, bad_status, again, _ = sessions
     assert bad_status == 400
     # The repeated session finds its whole history, first step included.
     assert again[0]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] > 0
     for first, second in zip(sekv, again):
         assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_connector_stats_reach_prometheus(sessions):
+    _, sekv, _, again, metrics = sessions
+    restored = sum(s["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] for s in sekv + again)
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:sekv_restored_tokens_total")]
+    assert values and sum(values) == restored
 
 
 def test_bad_config_fails_at_start_naming_the_key(model_dir):

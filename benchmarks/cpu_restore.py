@@ -1,0 +1,115 @@
+"""CPU benchmark: time to first token of a follow-up agent step after vLLM's
+prefix cache was reset — sekv restoring the history from host memory vs plain
+vLLM prefilling it again. Real vLLM engine, SmolLM2-135M, real essay text.
+
+    python benchmarks/cpu_restore.py [--histories 1024 2048 4096 7168] [--repeats 3]
+
+For each history length H: step 1 sends H tokens of essay (sekv captures them),
+then the cache is reset and step 2 sends the same H tokens + step 1's output +
+64 new tokens with max_tokens=1; its wall time is the time to first token. Both
+engines run in the same invocation (one child process each, one after the
+other, same machine state) with the same token ids. Writes
+benchmarks/results/cpu_restore.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NEW_TOKENS = 64
+
+
+def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_sekv.essays import essay_text
+    from vllm_sekv.models import prepare_model
+
+    kwargs = {}
+    if mode == "sekv":
+        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"host_bytes": "4G"}}
+    llm = LLM(model=str(prepare_model(quiet=True)), max_model_len=8192, enforce_eager=True,
+              gpu_memory_utilization=0.5, **kwargs)
+    corpus = llm.get_tokenizer().encode(essay_text(max_chars=400_000), add_special_tokens=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=corpus[:256])], one, use_tqdm=False)  # warm-up
+    rows = []
+    for h in histories:
+        for r in range(repeats):
+            start = 9000 * r + h  # a different stretch of text each repeat, never seen before
+            history = corpus[start : start + h]
+            new = corpus[start + h + 1000 : start + h + 1000 + NEW_TOKENS]
+            llm.reset_prefix_cache()
+            first = llm.generate([TokensPrompt(prompt_token_ids=history)], one, use_tqdm=False)[0]
+            follow_up = history + list(first.outputs[0].token_ids) + new
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=follow_up)], one, use_tqdm=False)[0]
+            ttft_s = time.perf_counter() - t0
+            params = (out.kv_transfer_params or {}).get("sekv", {})
+            rows.append({"history_tokens": h, "repeat": r, "prompt_tokens": len(follow_up),
+                         "cached_tokens": out.num_cached_tokens, "ttft_s": ttft_s,
+                         "restore_ms": params.get("restore_ms")})
+            print(f"[{mode}] H={h} r={r} ttft={ttft_s*1000:.0f} ms cached={out.num_cached_tokens}", flush=True)
+    Path(out_path).write_text(json.dumps(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--histories", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", choices=["plain", "sekv"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.histories, args.repeats, args.out)
+        return
+    RESULTS.mkdir(exist_ok=True)
+    runs = {}
+    for mode in ("plain", "sekv"):
+        out = RESULTS / f".cpu_restore_{mode}.tmp.json"
+        subprocess.run([sys.executable, __file__, "--child", mode, "--out", str(out),
+                        "--repeats", str(args.repeats), "--histories", *map(str, args.histories)],
+                       check=True)
+        runs[mode] = json.loads(out.read_text())
+        out.unlink()
+    table = []
+    for h in args.histories:
+        med = {m: statistics.median(r["ttft_s"] for r in runs[m] if r["history_tokens"] == h) for m in runs}
+        restored = [r["cached_tokens"] for r in runs["sekv"] if r["history_tokens"] == h]
+        restore_ms = [r["restore_ms"] for r in runs["sekv"] if r["history_tokens"] == h]
+        table.append({"history_tokens": h, "plain_ttft_ms": round(1000 * med["plain"], 1),
+                      "sekv_ttft_ms": round(1000 * med["sekv"], 1),
+                      "speedup": round(med["plain"] / med["sekv"], 2),
+                      "sekv_restored_tokens": min(restored),
+                      "sekv_restore_ms_median": round(statistics.median(restore_ms), 1)})
+    meta = {"command": "python benchmarks/cpu_restore.py " + " ".join(sys.argv[1:]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (bf16)",
+            "new_tokens_per_step": NEW_TOKENS, "repeats": args.repeats,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    (RESULTS / "cpu_restore.json").write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=1))
+    lines = ["# Follow-up step after a GPU-cache reset: sekv restore vs plain re-prefill (CPU)", "",
+             f"Command: `{meta['command']}` — {meta['machine']}, {meta['model']}, "
+             f"{NEW_TOKENS} new tokens per step, median of {args.repeats}, {meta['date']}.", "",
+             "| history tokens | plain vLLM TTFT (ms) | sekv TTFT (ms) | speed-up | restored tokens | restore (ms) |",
+             "|---|---|---|---|---|---|"]
+    for row in table:
+        lines.append(f"| {row['history_tokens']} | {row['plain_ttft_ms']} | {row['sekv_ttft_ms']} | "
+                     f"{row['speedup']}x | {row['sekv_restored_tokens']} | {row['sekv_restore_ms_median']} |")
+    (RESULTS / "cpu_restore.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
