@@ -6,6 +6,7 @@ a new vLLM version means editing this file only.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -187,3 +188,30 @@ class KVGeometry:
     head_dim: int
     dtype: torch.dtype
     world_size: int  # ranks that each hold their own share of every block
+
+
+def worker_rank() -> int:
+    """This worker's tensor-parallel rank (which share of each block it holds)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # no parallel state (e.g. a bare test process)
+        return 0
+
+
+def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int) -> dict[str, Any]:
+    """What must match for stored KV to be valid for this server: the model
+    (path or name, and its config), KV dtype and geometry, block size, ranks."""
+    mc = vllm_config.model_config
+    geo = kv_geometry(vllm_config)
+    return {
+        "model": str(mc.model),
+        "hf_config_sha": hashlib.sha256(mc.hf_config.to_json_string().encode()).hexdigest()[:16],
+        "dtype": str(geo.dtype).removeprefix("torch."),
+        "num_layers": geo.num_layers,
+        "kv_heads_per_rank": geo.kv_heads,
+        "head_dim": geo.head_dim,
+        "world_size": geo.world_size,
+        "block_tokens": block_tokens,
+    }

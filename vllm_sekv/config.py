@@ -78,8 +78,16 @@ class SekvConfig:
     protected_percent: int = 80
     # Shortest restore worth doing, in tokens; shorter matches are prefilled.
     min_restore_tokens: int = 32
+    # Folder of the NVMe tier ("" = no NVMe tier). Workspaces written there
+    # survive a restart; one server per folder (it is locked).
+    nvme_dir: str = ""
+    # Byte budget of the NVMe tier.
+    nvme_bytes: int = 64 << 30
+    # Threads doing NVMe reads and writes in each worker.
+    nvme_io_threads: int = 8
 
-    _SIZES = ("host_bytes",)
+    _SIZES = ("host_bytes", "nvme_bytes")
+    _STRINGS = ("nvme_dir",)
     _CHOICES = {"policy": POLICIES}
 
     def __post_init__(self) -> None:
@@ -91,6 +99,10 @@ class SekvConfig:
         if not 0 <= self.protected_percent <= 100:
             raise ValueError(
                 f"sekv config 'protected_percent': expected 0..100, got {self.protected_percent}"
+            )
+        if not 1 <= self.nvme_io_threads <= 256:
+            raise ValueError(
+                f"sekv config 'nvme_io_threads': expected 1..256, got {self.nvme_io_threads}"
             )
         if self.min_restore_tokens < 0:
             raise ValueError(
@@ -132,6 +144,8 @@ class SekvConfig:
     def _parse(cls, key: str, value: Any) -> Any:
         if key in cls._SIZES:
             return parse_size_bytes(key, value)
+        if key in cls._STRINGS:
+            return str(value)
         if key in cls._CHOICES:
             return _parse_choice(key, value, cls._CHOICES[key])
         return _parse_int(key, value)

@@ -19,21 +19,21 @@ def fill(cat: BlockCatalog, keys):
 
 
 def test_budget_is_never_exceeded():
-    cat = BlockCatalog(num_slots=4, policy=LRUPolicy())
+    cat = BlockCatalog(4, LRUPolicy())
     fill(cat, range(50))
     assert cat.num_committed == 4
-    assert cat.stats.evicted_blocks == 46
-    assert len({cat.lookup(h(k)).slot for k in range(46, 50)}) == 4
+    assert cat.stats.host_evictions == 46
+    assert len({cat.lookup(h(k)).host_slot for k in range(46, 50)}) == 4
 
 
 def test_prefix_match_stops_at_first_missing_block():
-    cat = BlockCatalog(num_slots=8, policy=LRUPolicy())
+    cat = BlockCatalog(8, LRUPolicy())
     fill(cat, [0, 1, 3])
     assert [r.block_hash for r in cat.match_prefix([h(0), h(1), h(2), h(3)])] == [h(0), h(1)]
 
 
 def test_reserved_blocks_are_not_matchable_until_committed():
-    cat = BlockCatalog(num_slots=2, policy=LRUPolicy())
+    cat = BlockCatalog(2, LRUPolicy())
     rec = cat.reserve(start_token=0)
     assert cat.match_prefix([h(0)]) == []
     cat.commit(rec, h(0))
@@ -41,7 +41,7 @@ def test_reserved_blocks_are_not_matchable_until_committed():
 
 
 def test_pinned_and_reserved_blocks_are_never_evicted():
-    cat = BlockCatalog(num_slots=2, policy=LRUPolicy())
+    cat = BlockCatalog(2, LRUPolicy())
     (a,) = fill(cat, [0])
     cat.pin([a])
     pending = cat.reserve(start_token=0)  # takes the last free slot
@@ -54,7 +54,7 @@ def test_pinned_and_reserved_blocks_are_never_evicted():
 
 
 def test_duplicate_commit_releases_the_second_copy():
-    cat = BlockCatalog(num_slots=3, policy=LRUPolicy())
+    cat = BlockCatalog(3, LRUPolicy())
     a, b = cat.reserve(0), cat.reserve(0)
     assert cat.commit(a, h(7)) and not cat.commit(b, h(7))
     assert cat.lookup(h(7)) is a
@@ -62,7 +62,7 @@ def test_duplicate_commit_releases_the_second_copy():
 
 
 def test_recalled_blocks_survive_a_burst_with_slru():
-    cat = BlockCatalog(num_slots=8, policy=SLRUPolicy(8, 0.5))
+    cat = BlockCatalog(8, SLRUPolicy(8, 0.5))
     hot = fill(cat, [0])
     for _ in range(3):
         cat.touch(hot)
@@ -71,7 +71,74 @@ def test_recalled_blocks_survive_a_burst_with_slru():
 
 
 def test_unpin_below_zero_is_an_error():
-    cat = BlockCatalog(num_slots=1, policy=LRUPolicy())
+    cat = BlockCatalog(1, LRUPolicy())
     (a,) = fill(cat, [0])
     with pytest.raises(ValueError):
         cat.unpin([a])
+
+
+# ----------------------------------------------------------------- NVMe tier
+
+from vllm_sekv.workspace.catalog import NvmeState  # noqa: E402
+
+
+def tiered(host=2, nvme=4):
+    return BlockCatalog(host, LRUPolicy(), nvme, LRUPolicy())
+
+
+def test_committed_blocks_are_written_behind_and_then_survive_host_eviction():
+    cat = tiered()
+    (a,) = fill(cat, [0])
+    assert a.nvme is NvmeState.WRITING
+    fill(cat, [1])
+    assert cat.reserve(0) is None  # both host blocks are still being written: no victim
+    cat.write_done(h(0), ok=True)
+    assert a.nvme is NvmeState.STORED
+    assert cat.reserve(0) is not None  # a loses its host copy ...
+    assert a.host_slot is None and cat.lookup(h(0)) is a  # ... and stays matchable on NVMe
+    assert not a.restorable
+
+
+def test_promotion_reads_back_and_a_failed_read_is_a_miss():
+    cat = tiered()
+    (a,) = fill(cat, [0])
+    cat.write_done(h(0), ok=True)
+    cat.write_done(h(1), ok=True)
+    fill(cat, [1])
+    cat.write_done(h(1), ok=True)
+    fill(cat, [2])  # evicts a's host copy
+    assert a.host_slot is None
+    assert cat.promote(a) and a.loading and not a.restorable
+    cat.read_done(h(0), ok=True)
+    assert a.restorable
+    # the same after a failed read: forgotten, and its file is to be deleted
+    b = cat.lookup(h(1))
+    assert b.host_slot is None and cat.promote(b)
+    cat.read_done(h(1), ok=False)
+    assert cat.lookup(h(1)) is None and h(1) in cat.take_deletes()
+
+
+def test_nvme_budget_is_never_exceeded_and_evicted_files_are_deleted():
+    cat = tiered(host=8, nvme=3)
+    for k in range(6):
+        fill(cat, [k])
+        cat.write_done(h(k), ok=True)
+        assert cat.num_nvme_used <= 3
+    assert cat.num_nvme_used == 3
+    assert set(cat.take_deletes()) == {h(0), h(1), h(2)}
+    assert all(cat.lookup(h(k)).nvme is NvmeState.NONE for k in range(3))  # still on host
+
+
+def test_failed_write_keeps_the_host_copy_only():
+    cat = tiered()
+    (a,) = fill(cat, [0])
+    cat.write_done(h(0), ok=False)
+    assert a.nvme is NvmeState.NONE and a.restorable and cat.num_nvme_used == 0
+
+
+def test_records_found_at_start_up_beyond_the_budget_are_deleted_oldest_first():
+    cat = tiered(nvme=2)
+    for k in range(3):  # a scan lists records oldest first
+        assert cat.add_stored(h(k), 32 * k)
+    assert cat.take_deletes() == [h(0)] and cat.lookup(h(0)) is None
+    assert cat.lookup(h(2)).start_token == 64 and not cat.lookup(h(2)).restorable

@@ -18,6 +18,7 @@ class Engine:
         self.planner = WorkspacePlanner(self.catalog, SessionTable(), BT, PAGED)
         self.tokens: dict[str, list[int]] = {}
         self.step = -1
+        self.plans = []
 
     def tokens_of(self, req_id):
         return self.tokens.get(req_id, [])
@@ -33,6 +34,7 @@ class Engine:
 
     def run(self, scheduled, failed=frozenset()):
         plan = self.planner.plan_step(scheduled, self.tokens_of)
+        self.plans.append(plan)
         self.step = plan.step_id
         self.planner.confirm(plan.step_id, set(failed), self.tokens_of)
         return plan
@@ -68,7 +70,7 @@ def test_follow_up_restores_history_and_computes_only_new_tokens():
     (op,) = plan.restores
     t = np.arange(40)
     assert np.array_equal(op.paged_slots, (100 + t // PAGED) * PAGED + t % PAGED)
-    slots = [eng.catalog.match_prefix(eng.planner.requests["b"].hashes)[i].slot for i in range(5)]
+    slots = [eng.catalog.match_prefix(eng.planner.requests["b"].hashes)[i].host_slot for i in range(5)]
     assert np.array_equal(op.host_rows, np.repeat(slots, BT) * BT + t % BT)
     # the new tokens are captured, the restored ones are not captured again
     # every new token is captured (48..49 into a block that decode will fill);
@@ -153,3 +155,55 @@ def test_accepting_more_than_matched_is_an_error():
     eng.admit("a", list(range(1, 41)))
     with pytest.raises(ValueError):
         eng.planner.accept_restore("a", 8)
+
+
+def test_history_spilled_to_nvme_is_read_back_before_it_is_restored():
+    eng = Engine()
+    eng.catalog = BlockCatalog(5, LRUPolicy(), 16, LRUPolicy())
+    eng.planner = WorkspacePlanner(eng.catalog, SessionTable(), BT, PAGED)
+    history = list(range(1, 41))
+    prefill_and_finish(eng, "a", history)
+    writes = {h for plan in eng.plans for _, h, _ in plan.nvme_writes}
+    assert len(writes) == 5
+    eng.planner.nvme_done([("write", h, True) for h in writes])
+    prefill_and_finish(eng, "x", [9] * 40)  # another session pushes a's blocks off the host
+    confirm_all_writes(eng)
+    assert all(not r.restorable for r in eng.catalog.match_prefix(extend(history)))
+    # The follow-up: first "not yet" while the worker reads ...
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None
+    plan = eng.run({})
+    reads = plan.nvme_reads
+    assert {h for h, _, _ in reads} == writes
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None  # still reading
+    eng.planner.nvme_done([("read", h, True) for h, _, _ in reads])
+    # ... then the whole history.
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) == 40
+    eng.planner.accept_restore("b", 40)
+    assert eng.planner.requests["b"].nvme_read_tokens == 40
+
+
+def test_a_failed_nvme_read_ends_the_match_there():
+    eng = Engine()
+    eng.catalog = BlockCatalog(5, LRUPolicy(), 16, LRUPolicy())
+    eng.planner = WorkspacePlanner(eng.catalog, SessionTable(), BT, PAGED)
+    history = list(range(1, 41))
+    prefill_and_finish(eng, "a", history)
+    writes = [h for plan in eng.plans for _, h, _ in plan.nvme_writes]
+    eng.planner.nvme_done([("write", h, True) for h in writes])
+    prefill_and_finish(eng, "x", [9] * 40)
+    confirm_all_writes(eng)
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None
+    reads = [h for h, _, _ in eng.run({}).nvme_reads]
+    bad = extend(history)[2]  # the third block's file is corrupt
+    eng.planner.nvme_done([("read", h, h != bad) for h in reads])
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) == 2 * BT
+
+
+def confirm_all_writes(eng):
+    eng.planner.nvme_done([("write", h, True) for plan in eng.plans for _, h, _ in plan.nvme_writes])
+
+
+def extend(tokens, salt=""):
+    from vllm_sekv.workspace.hashing import extend_block_hashes
+
+    return extend_block_hashes([], tokens, BT, salt)

@@ -82,6 +82,12 @@ class SekvConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+
     # ------------------------------------------------------------ metrics
 
     @classmethod

@@ -24,12 +24,16 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
 
     With several ranks, `aggregate` keeps what holds for all of them: a step
     is confirmed when every rank finished it, a slot failed if any rank failed
-    it, and a restore took as long as the slowest rank.
+    it, a restore took as long as the slowest rank, and NVMe completions of
+    all ranks are passed on for the scheduler side to count.
     """
 
     confirmed_step: int
     failed_slots: set[int] = field(default_factory=set)
     restore_seconds: dict[str, float] = field(default_factory=dict)
+    # NVMe operations finished since the last report: (kind, block hash, ok);
+    # one entry per rank, the scheduler side waits for all ranks.
+    nvme_completions: list[tuple[str, bytes, bool]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "SekvWorkerMeta":
         assert isinstance(other, SekvWorkerMeta)
@@ -40,4 +44,5 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
             confirmed_step=min(self.confirmed_step, other.confirmed_step),
             failed_slots=self.failed_slots | other.failed_slots,
             restore_seconds=seconds,
+            nvme_completions=self.nvme_completions + other.nvme_completions,
         )

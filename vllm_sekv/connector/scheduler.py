@@ -1,32 +1,41 @@
 """Scheduler-side connector: translates vLLM's scheduler calls for the planner.
 
 Runs in the engine-core process on the scheduler thread. Owns the catalog,
-the sessions and the planner (bookkeeping only; the bytes are in the workers).
-Every call is blocking and cheap.
+the sessions and the planner (bookkeeping only; the bytes are in the workers),
+and, with an NVMe tier, the folder's lock and manifest. Every call is blocking
+and cheap; the manifest is rewritten at most once a second, when sessions
+changed.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.store import HostPool, Tier, make_policy
+from vllm_sekv.store.nvme import DirLock, NvmeLayout, folder_name, record_bytes
 from vllm_sekv.workspace.catalog import BlockCatalog
+from vllm_sekv.workspace.manifest import ManifestError, read_manifest, write_manifest
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
 
 logger = logging.getLogger("vllm_sekv")
+MANIFEST_INTERVAL_S = 1.0
+
+
+def block_bytes_per_rank(config: SekvConfig, vllm_config: Any) -> int:
+    geo = compat.kv_geometry(vllm_config)
+    return HostPool.bytes_per_block(
+        geo.num_layers, config.block_tokens, geo.kv_heads, geo.head_dim, geo.dtype
+    )
 
 
 def host_slots(config: SekvConfig, vllm_config: Any) -> tuple[int, int]:
     """(number of host slots, bytes per block over all ranks) under `host_bytes`."""
-    geo = compat.kv_geometry(vllm_config)
-    per_rank = HostPool.bytes_per_block(
-        geo.num_layers, config.block_tokens, geo.kv_heads, geo.head_dim, geo.dtype
-    )
-    block_bytes = per_rank * geo.world_size
+    block_bytes = block_bytes_per_rank(config, vllm_config) * compat.kv_geometry(vllm_config).world_size
     num_slots = config.host_bytes // block_bytes
     if num_slots < 1:
         raise ValueError(
@@ -36,35 +45,85 @@ def host_slots(config: SekvConfig, vllm_config: Any) -> tuple[int, int]:
     return num_slots, block_bytes
 
 
+def nvme_layout(config: SekvConfig, vllm_config: Any) -> NvmeLayout:
+    fingerprint = compat.model_fingerprint(vllm_config, config.block_tokens)
+    return NvmeLayout(config.nvme_dir, folder_name(fingerprint))
+
+
 class SekvSchedulerSide:
     def __init__(self, config: SekvConfig, vllm_config: Any) -> None:
         num_slots, block_bytes = host_slots(config, vllm_config)
-        self.catalog = BlockCatalog(
-            num_slots, make_policy(config.policy, num_slots, config.protected_percent)
-        )
+        world_size = compat.kv_geometry(vllm_config).world_size
         self.sessions = SessionTable()
+        self.nvme: NvmeLayout | None = None
+        self._lock: DirLock | None = None
+        self._fingerprint = compat.model_fingerprint(vllm_config, config.block_tokens)
+        num_records, found = 0, []
+        if config.nvme_dir:
+            num_records, found = self._open_nvme(config, vllm_config, world_size)
+        self.catalog = BlockCatalog(
+            num_slots,
+            make_policy(config.policy, num_slots, config.protected_percent),
+            num_records,
+            make_policy(config.policy, num_records, config.protected_percent),
+        )
+        for info in found:
+            self.catalog.add_stored(info.block_hash, info.start_token)
         self.planner = WorkspacePlanner(
             self.catalog,
             self.sessions,
             block_tokens=config.block_tokens,
             paged_block_size=compat.kv_cache_block_size(vllm_config),
             min_restore_tokens=config.min_restore_tokens,
+            world_size=world_size,
         )
         self._requests: dict[str, Any] = {}
         # kv_transfer_params already handed to vLLM for finished requests,
         # completed when the worker reports their last step (see
         # `update_connector_output`).
         self._open_params: dict[str, dict[str, Any]] = {}
+        self._manifest_written_s = 0.0
         logger.info(
-            "sekv: host tier of %d blocks x %d tokens (%.1f MiB per block)",
+            "sekv: host tier of %d blocks x %d tokens (%.1f MiB per block)%s",
             num_slots, config.block_tokens, block_bytes / 2**20,
+            f", NVMe tier of {num_records} blocks in {self.nvme.root} "
+            f"({self.catalog.num_nvme_used} found)" if self.nvme else "",
         )
+
+    def _open_nvme(self, config: SekvConfig, vllm_config: Any, world_size: int) -> tuple[int, list]:
+        layout = nvme_layout(config, vllm_config)
+        try:
+            layout.create()
+        except OSError as e:
+            raise ValueError(f"sekv config 'nvme_dir': cannot use {config.nvme_dir}: {e}") from e
+        self._lock = DirLock(layout.lock_path).acquire()
+        layout.clear_tmp()
+        per_block = record_bytes(block_bytes_per_rank(config, vllm_config)) * world_size
+        num_records = config.nvme_bytes // per_block
+        if num_records < 1:
+            raise ValueError(
+                f"sekv config 'nvme_bytes': {config.nvme_bytes} bytes cannot hold one block "
+                f"({per_block} bytes for this model)"
+            )
+        self.nvme = layout
+        if layout.manifest.exists():
+            try:
+                _, workspaces = read_manifest(layout.manifest)
+                for ws in workspaces:
+                    self.sessions.add(ws)
+            except ManifestError as e:
+                logger.warning("sekv nvme: ignoring the manifest (%s); blocks stay restorable", e)
+        return num_records, layout.scan(rank=0)
 
     def _tokens_of(self, req_id: str) -> Any:
         request = self._requests.get(req_id)
         return request.all_token_ids if request is not None else ()
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    # ---------------------------------------------------------- vLLM calls
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
         ext = self.planner.match(
             request.request_id,
@@ -93,6 +152,7 @@ class SekvSchedulerSide:
             for req_id, n in scheduler_output.num_scheduled_tokens.items()
             if req_id in self._requests
         }
+        self._maybe_write_manifest()
         return SekvMetadata(self.planner.plan_step(scheduled, self._tokens_of))
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -106,6 +166,7 @@ class SekvSchedulerSide:
             params = self._open_params.get(req_id)
             if params is not None:
                 params["restore_ms"] = round(1000.0 * seconds, 3)
+        self.planner.nvme_done(meta.nvme_completions)
         self.planner.confirm(meta.confirmed_step, meta.failed_slots, self._tokens_of)
         self._open_params.clear()
 
@@ -116,8 +177,11 @@ class SekvSchedulerSide:
         if st is None:
             return False, None
         restored, cached = st.restored_tokens, max(st.cached_tokens, 0)
+        by_tier = {Tier.HOST.value: restored - st.nvme_read_tokens}
+        if self.nvme is not None:
+            by_tier[Tier.NVME.value] = st.nvme_read_tokens
         params: dict[str, Any] = {
-            "restored_tokens": {Tier.HOST.value: restored},
+            "restored_tokens": by_tier,  # by the tier each block came from
             "prefilled_tokens": st.num_prompt_tokens - cached,
             "vllm_cached_tokens": cached - restored,
             "restore_ms": round(1000.0 * st.restore_seconds, 3) if restored else 0.0,
@@ -126,3 +190,24 @@ class SekvSchedulerSide:
         if restored and st.restore_seconds == 0.0:
             self._open_params[req_id] = params  # the worker's report comes later this step
         return False, {"sekv": params}
+
+    # ------------------------------------------------------------ upkeep
+
+    def _maybe_write_manifest(self, force: bool = False) -> None:
+        if self.nvme is None or not self.sessions.dirty:
+            return
+        now = time.monotonic()
+        if not force and now - self._manifest_written_s < MANIFEST_INTERVAL_S:
+            return
+        try:
+            write_manifest(self.nvme.manifest, self.sessions, self._fingerprint)
+            self.sessions.dirty = False
+        except OSError as e:
+            logger.warning("sekv nvme: could not write the manifest: %s", e)
+        self._manifest_written_s = now
+
+    def shutdown(self) -> None:
+        self._maybe_write_manifest(force=True)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

@@ -19,6 +19,9 @@ _COUNTERS = {
     "captured_tokens": "Tokens whose K/V the sekv workspace captured",
     "restores": "Restore operations (one per request and step)",
     "capture_failures": "Captured blocks dropped because a row was missing",
+    "nvme_written_blocks": "Blocks written to the NVMe tier",
+    "nvme_read_blocks": "Blocks read back from the NVMe tier (checksum verified)",
+    "nvme_failures": "NVMe reads or writes that failed (each a miss, recomputed)",
 }
 _SECONDS = "restore_seconds"
 

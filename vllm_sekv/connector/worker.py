@@ -8,9 +8,14 @@ Runs in each worker process, on the forward thread, in this order per step:
   `capture_kv`     called by the attention hook once per layer, right after
                    the platform wrote that layer's K/V: copies the planned
                    rows into the host pool (blocking);
-  `build_worker_meta` reports the step as done, with any capture failures.
+  `build_worker_meta` reports the step as done, with any capture failures and
+                   the NVMe reads and writes finished so far.
 Only the host slots named by the plan are written. A capture row missing from
 the batch marks its slot failed: the scheduler side then never commits it.
+
+With an NVMe tier, `bind` hands the plan's writes (of committed slots) and
+reads (into promoted slots) to `RecordIO`'s threads; they never block the
+forward. A block read back is indexed when its checked read is drained.
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ import torch
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
-from vllm_sekv.connector.scheduler import host_slots
+from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.store import HostPool
+from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.workspace.block_index import MeanKIndex
 from vllm_sekv.workspace.plan import StepPlan
 
@@ -41,6 +47,7 @@ class SekvWorkerSide:
         self.num_slots, _ = host_slots(config, vllm_config)
         self.rope = compat.rope_spec(vllm_config)
         self.pool: HostPool | None = None
+        self.records: RecordIO | None = None
         self.index: MeanKIndex | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_of: dict[str, int] = {}
@@ -75,12 +82,23 @@ class SekvWorkerSide:
             pin_memory=device.type == "cuda",
         )
         self.index = MeanKIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope)
+        if self.config.nvme_dir:
+            layout = nvme_layout(self.config, self.vllm_config)
+            self.records = RecordIO(layout, self.pool.data, compat.worker_rank(),
+                                    self.config.nvme_io_threads)
 
     # ------------------------------------------------------------ each step
 
     def bind(self, metadata: SekvMetadata) -> None:
-        self._plan = metadata.plan
+        plan = self._plan = metadata.plan
         self._capture_rows = None
+        if self.records is not None:
+            for block_hash in plan.nvme_deletes:
+                self.records.delete_now(block_hash)
+            for slot, block_hash, start_token in plan.nvme_writes:
+                self.records.submit_write(slot, block_hash, start_token)
+            for block_hash, slot, start_token in plan.nvme_reads:
+                self.records.submit_read(block_hash, slot, start_token)
 
     def start_load_kv(self, forward_context: Any) -> None:
         plan = self._plan
@@ -150,12 +168,35 @@ class SekvWorkerSide:
         if plan is None:
             return None
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
-        meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds)
+        meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
+                              self._drain_nvme())
         self._failed_slots, self._restore_seconds = set(), {}
         return meta
+
+    def _drain_nvme(self) -> list[tuple[str, bytes, bool]]:
+        if self.records is None:
+            return []
+        out = []
+        for done in self.records.drain():
+            if done.ok and done.kind == "read":
+                self.index.add(self.pool, done.host_slot, done.start_token)
+                self.stats.add("nvme_read_blocks", 1)
+            elif done.ok:
+                self.stats.add("nvme_written_blocks", 1)
+            else:
+                self.stats.add("nvme_failures", 1)
+                logger.warning("sekv nvme: %s of block %s failed (%s); it is a miss and will be "
+                               "recomputed", done.kind, done.block_hash.hex()[:16], done.reason)
+            out.append((done.kind, done.block_hash, done.ok))
+        return out
 
     def take_stats(self) -> SekvStats | None:
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, SekvStats()
         return stats
+
+    def shutdown(self) -> None:
+        if self.records is not None:
+            self.records.drain(wait=True)
+            self.records.close()

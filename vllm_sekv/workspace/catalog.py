@@ -1,60 +1,107 @@
-"""The block catalog: which workspace blocks the host tier holds, and where.
+"""The block catalog: which workspace blocks the tiers hold, and where.
 
-A block is first *reserved* (a slot is taken for a block whose tokens are
+A block is first *reserved* (a host slot is taken for a block whose tokens are
 being computed and captured), then *committed* under its content hash once
-every token was captured and the worker confirmed it, and from then on can be
-matched and restored. Reserved blocks are never matched. A block can be
-*pinned* while a restore reads it; pinned blocks are never evicted.
+every token was captured and the worker confirmed it; from then on it can be
+matched. Reserved blocks are never matched. A committed block lives on the
+host tier (`host_slot`), on the NVMe tier (`nvme`), or on both:
 
-When the tier is full, `reserve` evicts the policy's victim among committed,
-unpinned blocks. Eviction only forgets a block: a later match simply ends
-before it (a miss, recomputed by vLLM).
+  * with an NVMe tier, a committed block is admitted there at once and written
+    behind (state WRITING until the worker confirms, then STORED);
+  * when the host tier is full, the host policy's victim loses its host copy:
+    a STORED block stays matchable from NVMe, any other block is forgotten;
+    blocks being written, read or restored (pinned) are never victims;
+  * when the NVMe tier is full, the NVMe policy's victim loses its file (the
+    catalog lists it in `take_deletes()`), and is forgotten if it has no host copy;
+  * a matched NVMe-only block is *promoted*: it gets a host slot and stays
+    `loading` until the worker's checked read is confirmed. A failed read
+    forgets the NVMe copy: the block is a miss and vLLM recomputes it.
 
+Only blocks that are committed, on the host and not loading are restorable.
 Single-threaded: owned by the scheduler-side connector.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Iterable
 
 from vllm_sekv.store import SlotAllocator
-from vllm_sekv.store.policy import EvictionPolicy
+from vllm_sekv.store.policy import EvictionPolicy, LRUPolicy
+
+
+class NvmeState(enum.Enum):
+    NONE = "none"
+    WRITING = "writing"
+    STORED = "stored"
 
 
 @dataclass(eq=False)
 class BlockRecord:
-    slot: int
     start_token: int  # position of the block's first token in its sequence
+    host_slot: int | None
     block_hash: bytes | None = None  # set at commit
     committed: bool = False
     pins: int = 0
+    nvme: NvmeState = NvmeState.NONE
+    loading: bool = False  # host copy being read from NVMe
     # Filled by the capture planner:
     captured_tokens: int = 0  # tokens whose capture was handed to the worker
     last_capture_step: int = -1  # engine step that captured the last of them
+
+    @property
+    def restorable(self) -> bool:
+        return self.committed and self.host_slot is not None and not self.loading
 
 
 @dataclass
 class CatalogStats:
     committed_blocks: int = 0
-    evicted_blocks: int = 0
+    host_evictions: int = 0
+    nvme_evictions: int = 0
+    forgotten_blocks: int = 0
     reserve_failures: int = 0
 
 
 class BlockCatalog:
-    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
-        self._slots = SlotAllocator(num_slots)
-        self._policy = policy
+    def __init__(
+        self,
+        num_host_slots: int,
+        host_policy: EvictionPolicy,
+        num_nvme_records: int = 0,
+        nvme_policy: EvictionPolicy | None = None,
+    ) -> None:
+        self._slots = SlotAllocator(num_host_slots)
+        self._host_policy = host_policy
+        self._nvme_capacity = num_nvme_records
+        self._nvme_policy = nvme_policy or LRUPolicy()
+        self._nvme_used = 0
         self._by_hash: dict[bytes, BlockRecord] = {}
         self._by_slot: dict[int, BlockRecord] = {}
+        self._deletes: list[bytes] = []
         self.stats = CatalogStats()
 
+    # ------------------------------------------------------------- queries
+
     @property
-    def num_slots(self) -> int:
-        return self._slots.num_slots
+    def nvme_enabled(self) -> bool:
+        return self._nvme_capacity > 0
 
     @property
     def num_committed(self) -> int:
         return len(self._by_hash)
+
+    @property
+    def num_host_slots(self) -> int:
+        return self._slots.num_slots
+
+    @property
+    def num_host_used(self) -> int:
+        return self._slots.num_used
+
+    @property
+    def num_nvme_used(self) -> int:
+        return self._nvme_used
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._by_hash
@@ -63,7 +110,7 @@ class BlockCatalog:
         return self._by_hash.get(block_hash)
 
     def match_prefix(self, hashes: Iterable[bytes]) -> list[BlockRecord]:
-        """Committed records of the longest prefix of `hashes` held here."""
+        """Committed records (on any tier) of the longest prefix of `hashes`."""
         out = []
         for h in hashes:
             rec = self._by_hash.get(h)
@@ -72,49 +119,156 @@ class BlockCatalog:
             out.append(rec)
         return out
 
+    # ------------------------------------------------------------ host tier
+
     def reserve(self, start_token: int) -> BlockRecord | None:
-        """Take a slot for a block about to be captured; None if the tier is
-        full of pinned or reserved blocks."""
-        slot = self._slots.allocate()
+        """Take a host slot for a block about to be captured; None if the host
+        tier holds nothing it may give up."""
+        slot = self._take_host_slot()
         if slot is None:
-            victim = self._policy.victim(skip=lambda s: self._by_slot[s].pins > 0)
-            if victim is None:
-                self.stats.reserve_failures += 1
-                return None
-            self._drop(self._by_slot[victim])
-            self.stats.evicted_blocks += 1
-            slot = self._slots.allocate()
-            assert slot is not None
-        rec = BlockRecord(slot=slot, start_token=start_token)
+            self.stats.reserve_failures += 1
+            return None
+        rec = BlockRecord(start_token=start_token, host_slot=slot)
         self._by_slot[slot] = rec
         return rec
 
     def commit(self, rec: BlockRecord, block_hash: bytes) -> bool:
-        """Make a reserved block matchable. Returns False (and releases the
-        slot) if an equal block was committed meanwhile."""
+        """Make a reserved block matchable; with an NVMe tier, admit it there
+        too (`rec.nvme` becomes WRITING: the caller has the worker write it).
+        Returns False (and releases the slot) if an equal block is committed."""
         if rec.committed:
-            raise ValueError(f"slot {rec.slot} is already committed")
+            raise ValueError(f"host slot {rec.host_slot} is already committed")
         if block_hash in self._by_hash:
             self.release(rec)
             return False
         rec.block_hash, rec.committed = block_hash, True
         self._by_hash[block_hash] = rec
-        self._policy.insert(rec.slot)
+        self._host_policy.insert(block_hash)
         self.stats.committed_blocks += 1
+        if self.nvme_enabled and self._take_nvme_record():
+            rec.nvme = NvmeState.WRITING
+            self._nvme_policy.insert(block_hash)
         return True
 
     def release(self, rec: BlockRecord) -> None:
-        """Give back a reserved (never committed) block's slot."""
+        """Give back a reserved (never committed) block's host slot."""
         if rec.committed:
-            raise ValueError(f"slot {rec.slot} is committed; it leaves by eviction only")
-        if self._by_slot.get(rec.slot) is rec:
-            del self._by_slot[rec.slot]
-            self._slots.free(rec.slot)
+            raise ValueError(f"host slot {rec.host_slot} is committed; it leaves by eviction only")
+        if rec.host_slot is not None and self._by_slot.get(rec.host_slot) is rec:
+            del self._by_slot[rec.host_slot]
+            self._slots.free(rec.host_slot)
+            rec.host_slot = None
+
+    def _take_host_slot(self) -> int | None:
+        slot = self._slots.allocate()
+        if slot is not None:
+            return slot
+        victim = self._host_policy.victim(skip=lambda h: self._busy(self._by_hash[h]))
+        if victim is None:
+            return None
+        rec = self._by_hash[victim]
+        self.stats.host_evictions += 1
+        self._drop_host_copy(rec)
+        if rec.nvme is not NvmeState.STORED:
+            self._forget(rec)
+        return self._slots.allocate()
+
+    def _drop_host_copy(self, rec: BlockRecord) -> None:
+        self._host_policy.remove(rec.block_hash)
+        del self._by_slot[rec.host_slot]
+        self._slots.free(rec.host_slot)
+        rec.host_slot = None
+
+    @staticmethod
+    def _busy(rec: BlockRecord) -> bool:
+        return rec.pins > 0 or rec.loading or rec.nvme is NvmeState.WRITING
+
+    # ------------------------------------------------------------ NVMe tier
+
+    def add_stored(self, block_hash: bytes, start_token: int) -> BlockRecord | None:
+        """Register a record found on disk at start-up (NVMe only). Over the
+        NVMe budget the policy's victim goes (register oldest first); None, and
+        the file listed for deletion, if nothing can go."""
+        if block_hash in self._by_hash:
+            return self._by_hash[block_hash]
+        if not self._take_nvme_record():
+            self._deletes.append(block_hash)
+            return None
+        rec = BlockRecord(start_token=start_token, host_slot=None, block_hash=block_hash,
+                          committed=True, nvme=NvmeState.STORED)
+        self._by_hash[block_hash] = rec
+        self._nvme_policy.insert(block_hash)
+        return rec
+
+    def write_done(self, block_hash: bytes, ok: bool) -> None:
+        rec = self._by_hash.get(block_hash)
+        if rec is None or rec.nvme is not NvmeState.WRITING:
+            return
+        if ok:
+            rec.nvme = NvmeState.STORED
+        else:
+            self._drop_nvme_copy(rec, delete_file=False)
+
+    def promote(self, rec: BlockRecord) -> bool:
+        """Give an NVMe-only block a host slot to be read into (it is `loading`
+        until `read_done`). False if the host tier has no slot to give."""
+        if rec.host_slot is not None or rec.nvme is not NvmeState.STORED:
+            return rec.host_slot is not None
+        rec.pins += 1  # not a victim while its slot is being taken
+        slot = self._take_host_slot()
+        rec.pins -= 1
+        if slot is None:
+            return False
+        rec.host_slot, rec.loading = slot, True
+        self._by_slot[slot] = rec
+        self._host_policy.insert(rec.block_hash)
+        return True
+
+    def read_done(self, block_hash: bytes, ok: bool) -> None:
+        rec = self._by_hash.get(block_hash)
+        if rec is None or not rec.loading:
+            return
+        rec.loading = False
+        if not ok:  # the file is bad: forget it; the block is a miss
+            self._drop_host_copy(rec)
+            self._drop_nvme_copy(rec, delete_file=True)
+
+    def take_deletes(self) -> list[bytes]:
+        out, self._deletes = self._deletes, []
+        return out
+
+    def _take_nvme_record(self) -> bool:
+        if self._nvme_used < self._nvme_capacity:
+            self._nvme_used += 1
+            return True
+        victim = self._nvme_policy.victim(skip=lambda h: self._busy(self._by_hash[h]))
+        if victim is None:
+            return False
+        self.stats.nvme_evictions += 1
+        self._drop_nvme_copy(self._by_hash[victim], delete_file=True)
+        self._nvme_used += 1
+        return True
+
+    def _drop_nvme_copy(self, rec: BlockRecord, delete_file: bool) -> None:
+        self._nvme_policy.remove(rec.block_hash)
+        rec.nvme = NvmeState.NONE
+        self._nvme_used -= 1
+        if delete_file:
+            self._deletes.append(rec.block_hash)
+        if rec.host_slot is None:
+            self._forget(rec)
+
+    def _forget(self, rec: BlockRecord) -> None:
+        self._by_hash.pop(rec.block_hash, None)
+        self.stats.forgotten_blocks += 1
+
+    # --------------------------------------------------------------- uses
 
     def touch(self, records: Iterable[BlockRecord]) -> None:
-        """Record a use (a restore) of committed blocks, for the policy."""
+        """Record a use (a restore) of committed blocks, for both policies."""
         for rec in records:
-            self._policy.touch(rec.slot)
+            self._host_policy.touch(rec.block_hash)
+            self._nvme_policy.touch(rec.block_hash)
 
     def pin(self, records: Iterable[BlockRecord]) -> None:
         for rec in records:
@@ -124,11 +278,4 @@ class BlockCatalog:
         for rec in records:
             rec.pins -= 1
             if rec.pins < 0:
-                raise ValueError(f"slot {rec.slot} unpinned more often than pinned")
-
-    def _drop(self, rec: BlockRecord) -> None:
-        self._policy.remove(rec.slot)
-        if rec.block_hash is not None:
-            self._by_hash.pop(rec.block_hash, None)
-        del self._by_slot[rec.slot]
-        self._slots.free(rec.slot)
+                raise ValueError(f"block at host slot {rec.host_slot} unpinned more often than pinned")

@@ -35,6 +35,8 @@ class StepPlan:
     # Committed blocks whose Mean-K entry the worker must compute now:
     # (host slot, position of the block's first token).
     index_blocks: list[tuple[int, int]] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        return not (self.restores or len(self.capture_paged_slots) or self.index_blocks)
+    # NVMe tier, all asynchronous in the worker; completions come back in its
+    # step report. Deletes run first, before any write of the same step.
+    nvme_deletes: list[bytes] = field(default_factory=list)
+    nvme_writes: list[tuple[int, bytes, int]] = field(default_factory=list)  # (slot, hash, start)
+    nvme_reads: list[tuple[bytes, int, int]] = field(default_factory=list)  # (hash, slot, start)

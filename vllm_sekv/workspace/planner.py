@@ -10,7 +10,11 @@ Per request it
   * plans, per engine step, which freshly computed tokens the worker captures
     into which host rows (`plan_step`), reserving a slot per new block;
   * commits a block once all its tokens were captured in confirmed steps and
-    its token ids are known (`confirm`), and then asks the worker to index it.
+    its token ids are known (`confirm`), and then asks the worker to index it
+    and, with an NVMe tier, to write it behind;
+  * when a match reaches blocks held only on NVMe, has the worker read them
+    back into host slots and answers "not yet" (None) until the checked reads
+    are confirmed; a failed read ends the match there (a miss).
 
 Blocks already committed (another request computed them) are not captured
 twice. A capture the worker could not complete releases the block's slot: it
@@ -26,7 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord
+from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import extend_block_hashes
 from vllm_sekv.workspace.plan import RestoreOp, StepPlan
 from vllm_sekv.workspace.sessions import SessionTable
@@ -42,8 +46,10 @@ class RequestState:
     num_prompt_tokens: int
     hashes: list[bytes] = field(default_factory=list)  # of full blocks known so far
     paged_block_ids: list[int] = field(default_factory=list)
-    matched: list[BlockRecord] = field(default_factory=list)  # committed blocks from ...
+    matched: list[BlockRecord] = field(default_factory=list)  # restorable blocks from ...
     match_first_block: int = 0  # ... this block index on
+    waiting_pins: list[BlockRecord] = field(default_factory=list)  # held while NVMe reads run
+    promoted: set[bytes] = field(default_factory=set)  # blocks read back from NVMe for it
     match_end_tokens: int = 0  # tokens the match reaches (local hit + workspace)
     pending_restore: RestoreOp | None = None
     restore_pins: dict[int, list[BlockRecord]] = field(default_factory=dict)  # step -> pinned
@@ -54,6 +60,7 @@ class RequestState:
     # Figures reported back in the response's kv_transfer_params.
     cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
     restored_tokens: int = 0
+    nvme_read_tokens: int = 0  # of those, tokens read back from NVMe for this request
     restore_seconds: float = 0.0
 
 
@@ -65,6 +72,7 @@ class WorkspacePlanner:
         block_tokens: int,
         paged_block_size: int,
         min_restore_tokens: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.catalog = catalog
         self.sessions = sessions
@@ -75,6 +83,12 @@ class WorkspacePlanner:
         self._next_step = 0
         self._confirmed_step = -1
         self._index_queue: list[tuple[int, int]] = []
+        self._write_queue: list[tuple[int, bytes, int]] = []
+        self._read_queue: list[tuple[bytes, int, int]] = []
+        # Every rank holds its own share of a block: an NVMe operation is done
+        # when all ranks report it. (kind, hash) -> ranks still to report.
+        self.world_size = world_size
+        self._io_pending: dict[tuple[str, bytes], int] = {}
 
     # ------------------------------------------------------------- matching
 
@@ -85,8 +99,9 @@ class WorkspacePlanner:
         salt: str,
         session_id: str | None,
         local_tokens: int,
-    ) -> int:
-        """Tokens beyond `local_tokens` (vLLM's own hit) the workspace can restore."""
+    ) -> int | None:
+        """Tokens beyond `local_tokens` (vLLM's own hit) the workspace can
+        restore, or None while blocks of the match are being read from NVMe."""
         st = self.requests.get(req_id)
         if st is None:
             st = self.requests[req_id] = RequestState(
@@ -95,12 +110,38 @@ class WorkspacePlanner:
         extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, salt)
         bt = self.block_tokens
         first = local_tokens // bt
+        self.catalog.unpin(st.waiting_pins)
+        st.waiting_pins = []
         held = self.catalog.match_prefix(st.hashes[first:])
-        st.matched, st.match_first_block = held, first
-        end = min((first + len(held)) * bt, len(prompt_token_ids) - 1)
+        usable, reading = self._promote(held, st.promoted)
+        if reading:
+            self.catalog.pin(held[:usable])
+            st.waiting_pins = held[:usable]
+            return None
+        st.matched, st.match_first_block = held[:usable], first
+        end = min((first + usable) * bt, len(prompt_token_ids) - 1)
         st.match_end_tokens = max(end, local_tokens)
         ext = st.match_end_tokens - local_tokens
         return ext if ext >= max(self.min_restore_tokens, 1) else 0
+
+    def _promote(self, held: list[BlockRecord], promoted: set[bytes]) -> tuple[int, bool]:
+        """(leading blocks of `held` that are or will be on the host, whether
+        reads from NVMe are still running for some of them)."""
+        self.catalog.pin(held)  # promotions must not evict the blocks before them
+        usable, reading = 0, False
+        try:
+            for rec in held:
+                if rec.host_slot is None:
+                    if not self.catalog.promote(rec):
+                        break
+                    self._read_queue.append((rec.block_hash, rec.host_slot, rec.start_token))
+                    self._io_pending[("read", rec.block_hash)] = self.world_size
+                    promoted.add(rec.block_hash)
+                reading = reading or rec.loading
+                usable += 1
+        finally:
+            self.catalog.unpin(held)
+        return usable, reading
 
     def accept_restore(self, req_id: str, num_external_tokens: int) -> None:
         """vLLM takes `num_external_tokens` from us, ending at the match end."""
@@ -117,9 +158,11 @@ class WorkspacePlanner:
                 f"request {req_id}: vLLM asked for {num_external_tokens} tokens, "
                 f"more than the {len(st.matched)} matched blocks hold"
             )
-        slots = np.array([rec.slot for rec in st.matched], dtype=np.int64)[index]
+        slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)[index]
         st.pending_restore = RestoreOp(req_id, np.zeros(0, np.int64), slots * bt + positions % bt)
         st.restored_tokens = num_external_tokens
+        from_nvme = np.array([rec.block_hash in st.promoted for rec in st.matched])[index]
+        st.nvme_read_tokens = int(from_nvme.sum())
         used = st.matched[index[0] : index[-1] + 1]
         self.catalog.pin(used)
         self.catalog.touch(used)
@@ -178,6 +221,9 @@ class WorkspacePlanner:
             step.capture_paged_slots = np.concatenate(src)
             step.capture_host_rows = np.concatenate(dst)
         step.index_blocks, self._index_queue = self._index_queue, []
+        step.nvme_deletes = self.catalog.take_deletes()
+        step.nvme_writes, self._write_queue = self._write_queue, []
+        step.nvme_reads, self._read_queue = self._read_queue, []
         return step
 
     def _plan_capture(
@@ -191,7 +237,7 @@ class WorkspacePlanner:
             if rec is None:
                 continue
             lo, hi = max(b * bt, first), min((b + 1) * bt, first + count)
-            host_rows[lo - first : hi - first] = rec.slot * bt + np.arange(lo, hi) % bt
+            host_rows[lo - first : hi - first] = rec.host_slot * bt + np.arange(lo, hi) % bt
             rec.captured_tokens += hi - lo
             rec.last_capture_step = step_id
         keep = host_rows >= 0
@@ -231,7 +277,7 @@ class WorkspacePlanner:
             for done in [s for s in st.restore_pins if 0 <= s <= step_id]:
                 self.catalog.unpin(st.restore_pins.pop(done))
             for b, rec in list(st.captures.items()):
-                if rec.slot in failed_slots:
+                if rec.host_slot in failed_slots:
                     del st.captures[b]
                     st.skip_blocks.add(b)
                     self.catalog.release(rec)
@@ -251,8 +297,11 @@ class WorkspacePlanner:
                     continue
                 del st.captures[b]
                 if self.catalog.commit(rec, st.hashes[b]):
-                    self._index_queue.append((rec.slot, rec.start_token))
-            if st.finished and not st.captures and not st.restore_pins:
+                    self._index_queue.append((rec.host_slot, rec.start_token))
+                    if rec.nvme is NvmeState.WRITING:
+                        self._write_queue.append((rec.host_slot, rec.block_hash, rec.start_token))
+                        self._io_pending[("write", rec.block_hash)] = self.world_size
+            if st.finished and not st.captures and not st.restore_pins and not st.waiting_pins:
                 del self.requests[st.req_id]
 
     def finish(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> RequestState | None:
@@ -262,6 +311,8 @@ class WorkspacePlanner:
         if st is None:
             return None
         st.finished = True
+        self.catalog.unpin(st.waiting_pins)
+        st.waiting_pins = []
         bt = self.block_tokens
         extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.salt)
         for b, rec in list(st.captures.items()):
@@ -271,3 +322,18 @@ class WorkspacePlanner:
         if st.session_id is not None:
             self.sessions.record(st.salt, st.session_id, st.hashes, num_computed_tokens)
         return st
+
+    def nvme_done(self, completions: Sequence[tuple[str, bytes, bool]]) -> None:
+        """Worker reports of NVMe operations: (kind, block hash, ok), one per rank."""
+        for kind, block_hash, ok in completions:
+            key = (kind, block_hash)
+            if key not in self._io_pending:
+                continue
+            self._io_pending[key] -= 1
+            if ok and self._io_pending[key] > 0:
+                continue  # other ranks still to report
+            del self._io_pending[key]
+            if kind == "write":
+                self.catalog.write_done(block_hash, ok)
+            elif kind == "read":
+                self.catalog.read_done(block_hash, ok)

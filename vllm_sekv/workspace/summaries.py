@@ -291,18 +291,36 @@ def score(kind, queries: Tensor, summaries: Tensor, combine: str = DEFAULT_COMBI
     return combine_heads(score_per_head(kind, queries, summaries), combine)
 
 
-def select_blocks(relevance: Tensor, k: int, forced=()) -> Tensor:
-    """Indices (ascending) of ``forced`` blocks plus the ``k`` highest-relevance others.
+def select_blocks(relevance, k: int, forced=()) -> Tensor:
+    """Indices (ascending) of ``forced`` blocks plus ``k`` more chosen by relevance.
 
-    relevance [B]; forced: iterable of block indices (sink, recent, anchors) that
-    are always kept and never count against ``k``. Ties break toward lower index.
+    relevance: [B], or a sequence of [B] tensors (e.g. a position-aware and a
+    content relevance), whose rankings are interleaved: each gets about
+    ``k / n`` of the budget, and a block already taken is skipped. forced:
+    block indices (sink, recent, anchors) always kept, not counted in ``k``.
+    Ties break toward the lower index.
     """
-    b = relevance.shape[-1]
-    forced_idx = torch.as_tensor(sorted(set(int(i) for i in forced)), dtype=torch.long)
-    if len(forced_idx) and (forced_idx.min() < 0 or forced_idx.max() >= b):
+    rels = [relevance] if isinstance(relevance, Tensor) else list(relevance)
+    b = rels[0].shape[-1]
+    if any(r.shape != (b,) for r in rels):
+        raise ValueError("every relevance must be [B] with the same B")
+    forced_set = set(int(i) for i in forced)
+    if any(i < 0 or i >= b for i in forced_set):
         raise ValueError("forced block index out of range")
-    r = relevance.detach().float().clone()
-    r[forced_idx] = float("-inf")
-    n = max(0, min(k, b - len(forced_idx)))
-    chosen = torch.argsort(r, descending=True, stable=True)[:n]
-    return torch.cat([forced_idx, chosen]).unique(sorted=True)
+    orders = []
+    for r in rels:
+        r = r.detach().float().clone()
+        r[sorted(forced_set)] = float("-inf")
+        orders.append(torch.argsort(r, descending=True, stable=True).tolist())
+    n = max(0, min(k, b - len(forced_set)))
+    chosen: list[int] = []
+    taken = set(forced_set)
+    pos = [0] * len(orders)
+    while len(chosen) < n:
+        for j, order in enumerate(orders):
+            while pos[j] < b and order[pos[j]] in taken:
+                pos[j] += 1
+            if pos[j] < b and len(chosen) < n:
+                chosen.append(order[pos[j]])
+                taken.add(order[pos[j]])
+    return torch.tensor(sorted(forced_set | set(chosen)), dtype=torch.long)
