@@ -10,6 +10,8 @@
       Converts the bundled model once and prints its folder.
   vllm-sekv config
       Lists the configuration keys, their defaults and environment variables.
+  vllm-sekv sessions list|delete|cleanup --nvme-dir DIR ...
+      Inspects and cleans an NVMe folder while no server uses it.
 """
 from __future__ import annotations
 
@@ -98,9 +100,15 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
+def _sessions(argv: list[str]) -> int:
+    from vllm_sekv.sessions_cli import main as sessions_main
+
+    return sessions_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"serve": _serve, "model": _model, "config": _config}
+    commands = {"serve": _serve, "model": _model, "config": _config, "sessions": _sessions}
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
