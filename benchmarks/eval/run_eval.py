@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -91,7 +92,8 @@ def start_server(model_dir: str, args, sekv: dict | None):
 
     log = RESULTS / f".eval_server_{'sekv' if sekv is not None else 'plain'}.log"
     server = LocalServer(model_dir, sekv=sekv, log_path=log,
-                         vllm_args=["--max-model-len", str(args.max_model_len), *VLLM_ARGS],
+                         vllm_args=["--max-model-len", str(args.max_model_len), *VLLM_ARGS,
+                                    *shlex.split(args.server_args)],
                          env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
                               "VLLM_SERVER_DEV_MODE": "1"})
     print(f"starting {'sekv' if sekv is not None else 'plain'} vLLM server (log: {log}) ...", flush=True)
@@ -133,6 +135,14 @@ def run_trial(client, model, url, task, method, budget, args, tok) -> dict:
     else:  # sekv-views: the whole history, as an agent sends it, named by its session
         messages = task.messages
         extra["session_id"] = f"eval-{task.id}-{budget}"
+    if method == "sekv-views" and args.replay_steps:
+        # Earlier steps of the same session, as an agent would have sent them: the history cut
+        # after evenly spaced tool turns, 1 token each, untimed. The measured step is the last.
+        tool_idx = [i for i, m in enumerate(messages) if m["role"] == "tool"]
+        picks = sorted({tool_idx[(k * len(tool_idx)) // (args.replay_steps + 1)]
+                        for k in range(1, args.replay_steps + 1)})
+        for i in picks:
+            ask(client, model, messages[:i + 1], 1, extra)
     sent = [m["content"] for m in messages]
     needles_in = all(any(n in c for c in sent) for n in task.required_lines)
     if args.reset_cache:
@@ -185,6 +195,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] or 0 for r in rs), 1),
             "history_tokens_mean": round(statistics.mean(r["history_tokens"] for r in rs), 1),
         })
+        figures = sorted({k for r in rs for k in r.get("sekv", {})})
+        if figures:  # per-request means of every sekv counter the server exported
+            out[-1]["sekv_means"] = {k: round(statistics.mean(r.get("sekv", {}).get(k, 0.0) for r in rs), 4)
+                                     for k in figures}
     return out
 
 
@@ -216,6 +230,11 @@ def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
         lines.append(f"| {c['task']} | {c['target_tokens']} | {c['method']} | {c['n']} | {c['accuracy']:.2f} | "
                      f"{c['needles_in_prompt']:.2f} | {c['prompt_tokens_mean']:.0f} | {c['ttft_ms_mean']:.0f} | "
                      f"{c['ttft_ms_median']:.0f} |")
+    sekv_cells = [c for c in cells if c.get("sekv_means")]
+    if sekv_cells:
+        lines += ["", "## sekv figures (per-request means of the server's `vllm:sekv_*` counters)", ""]
+        lines += [f"* {c['task']} @ {c['target_tokens']}, {c['method']}: " +
+                  ", ".join(f"`{k}` {v}" for k, v in c["sekv_means"].items()) for c in sekv_cells]
     if meta.get("notes"):
         lines += ["", "## Notes", ""] + [f"* {n}" for n in meta["notes"]]
     path.write_text("\n".join(lines) + "\n")
@@ -267,6 +286,10 @@ def main() -> None:
     ap.add_argument("--url", help="use this server (http://127.0.0.1:PORT) instead of starting one")
     ap.add_argument("--model-dir", help="model folder (default: the prepared SmolLM2)")
     ap.add_argument("--kv-space-gib", type=int, default=2)
+    ap.add_argument("--server-args", default="",
+                    help="extra `vllm serve` arguments for servers this script starts (one string)")
+    ap.add_argument("--replay-steps", type=int, default=0,
+                    help="sekv-views: send this many earlier steps of each session (untimed) first")
     ap.add_argument("--no-reset-cache", dest="reset_cache", action="store_false")
     ap.add_argument("--out", default=str(RESULTS / "eval_baselines"), help="output path without suffix")
     ap.add_argument("--merge", action="store_true", help="keep trials already in <out>.json")
@@ -332,7 +355,14 @@ def main() -> None:
                     url = args.url.rstrip("/")
                 else:
                     sekv = {"view_tokens": key[1]} if key[0] == "sekv" else None
-                    servers.append(start_server(model_dir, args, sekv))
+                    try:
+                        servers.append(start_server(model_dir, args, sekv))
+                    except (RuntimeError, TimeoutError) as e:
+                        if sekv is None:
+                            raise
+                        raise SekvViewsUnsupported(
+                            f"a sekv server with view_tokens={key[1]} did not start (this build may "
+                            f"have no execution views):\n{e}") from e
                     url = servers[-1].url
                 client = OpenAI(base_url=url + "/v1", api_key="none", timeout=1800)
                 model = client.models.list().data[0].id
