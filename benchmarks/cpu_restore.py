@@ -1,14 +1,17 @@
 """CPU benchmark: time to first token of a follow-up agent step after vLLM's
-prefix cache was reset — sekv restoring the history from host memory vs plain
-vLLM prefilling it again. Real vLLM engine, SmolLM2-135M, real essay text.
+prefix cache was reset — sekv restoring the history from host memory, sekv
+restoring it from the NVMe tier, and plain vLLM prefilling it again. Real vLLM
+engine, SmolLM2-135M, real essay text.
 
     python benchmarks/cpu_restore.py [--histories 1024 2048 4096 7168] [--repeats 3]
 
 For each history length H: step 1 sends H tokens of essay (sekv captures them),
 then the cache is reset and step 2 sends the same H tokens + step 1's output +
-64 new tokens with max_tokens=1; its wall time is the time to first token. Both
-engines run in the same invocation (one child process each, one after the
-other, same machine state) with the same token ids. Writes
+64 new tokens with max_tokens=1; its wall time is the time to first token. In
+the NVMe mode, two filler requests of other text push the history out of the
+host tier first (it is then read back from disk, checksums verified, before
+the restore). All engines run in the same invocation (one child process each,
+one after the other) with the same token ids. Writes
 benchmarks/results/cpu_restore.{json,md}.
 """
 from __future__ import annotations
@@ -17,9 +20,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,9 +41,15 @@ def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
     from vllm_sekv.models import prepare_model
 
     kwargs = {}
+    nvme_dir = None
     if mode == "sekv":
+        extra = {"host_bytes": "4G"}
+    elif mode == "nvme":
+        nvme_dir = tempfile.mkdtemp(prefix="sekv-bench-nvme-", dir=os.environ.get("SEKV_BENCH_NVME_DIR"))
+        extra = {"host_bytes": "256M", "nvme_dir": nvme_dir, "nvme_bytes": "8G"}
+    if mode != "plain":
         kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {"host_bytes": "4G"}}
+                                        "kv_connector_extra_config": extra}
     llm = LLM(model=str(prepare_model(quiet=True)), max_model_len=8192, enforce_eager=True,
               gpu_memory_utilization=0.5, **kwargs)
     corpus = llm.get_tokenizer().encode(essay_text(max_chars=400_000), add_special_tokens=False)
@@ -53,6 +64,11 @@ def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
             llm.reset_prefix_cache()
             first = llm.generate([TokensPrompt(prompt_token_ids=history)], one, use_tqdm=False)[0]
             follow_up = history + list(first.outputs[0].token_ids) + new
+            if mode == "nvme":  # push the history out of the host tier (256M: ~11K tokens)
+                for k in range(2):
+                    far = 200_000 + 20_000 * k + 9000 * r
+                    llm.generate([TokensPrompt(prompt_token_ids=corpus[far : far + 7000])], one,
+                                 use_tqdm=False)
             llm.reset_prefix_cache()
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=follow_up)], one, use_tqdm=False)[0]
@@ -60,16 +76,19 @@ def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
             params = (out.kv_transfer_params or {}).get("sekv", {})
             rows.append({"history_tokens": h, "repeat": r, "prompt_tokens": len(follow_up),
                          "cached_tokens": out.num_cached_tokens, "ttft_s": ttft_s,
-                         "restore_ms": params.get("restore_ms")})
+                         "restore_ms": params.get("restore_ms"),
+                         "restored_by_tier": params.get("restored_tokens")})
             print(f"[{mode}] H={h} r={r} ttft={ttft_s*1000:.0f} ms cached={out.num_cached_tokens}", flush=True)
     Path(out_path).write_text(json.dumps(rows))
+    if nvme_dir:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--histories", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--child", choices=["plain", "sekv"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["plain", "sekv", "nvme"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -77,7 +96,7 @@ def main() -> None:
         return
     RESULTS.mkdir(exist_ok=True)
     runs = {}
-    for mode in ("plain", "sekv"):
+    for mode in ("plain", "sekv", "nvme"):
         out = RESULTS / f".cpu_restore_{mode}.tmp.json"
         subprocess.run([sys.executable, __file__, "--child", mode, "--out", str(out),
                         "--repeats", str(args.repeats), "--histories", *map(str, args.histories)],
@@ -89,24 +108,31 @@ def main() -> None:
         med = {m: statistics.median(r["ttft_s"] for r in runs[m] if r["history_tokens"] == h) for m in runs}
         restored = [r["cached_tokens"] for r in runs["sekv"] if r["history_tokens"] == h]
         restore_ms = [r["restore_ms"] for r in runs["sekv"] if r["history_tokens"] == h]
+        from_nvme = [r["restored_by_tier"]["nvme"] for r in runs["nvme"] if r["history_tokens"] == h]
         table.append({"history_tokens": h, "plain_ttft_ms": round(1000 * med["plain"], 1),
                       "sekv_ttft_ms": round(1000 * med["sekv"], 1),
                       "speedup": round(med["plain"] / med["sekv"], 2),
+                      "nvme_ttft_ms": round(1000 * med["nvme"], 1),
+                      "nvme_speedup": round(med["plain"] / med["nvme"], 2),
                       "sekv_restored_tokens": min(restored),
+                      "nvme_restored_tokens": min(from_nvme),
                       "sekv_restore_ms_median": round(statistics.median(restore_ms), 1)})
     meta = {"command": "python benchmarks/cpu_restore.py " + " ".join(sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (bf16)",
             "new_tokens_per_step": NEW_TOKENS, "repeats": args.repeats,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (RESULTS / "cpu_restore.json").write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=1))
-    lines = ["# Follow-up step after a GPU-cache reset: sekv restore vs plain re-prefill (CPU)", "",
+    lines = ["# Follow-up step after a GPU-cache reset: sekv restore (host, NVMe) vs plain re-prefill (CPU)", "",
              f"Command: `{meta['command']}` — {meta['machine']}, {meta['model']}, "
              f"{NEW_TOKENS} new tokens per step, median of {args.repeats}, {meta['date']}.", "",
-             "| history tokens | plain vLLM TTFT (ms) | sekv TTFT (ms) | speed-up | restored tokens | restore (ms) |",
-             "|---|---|---|---|---|---|"]
+             "| history tokens | plain re-prefill TTFT (ms) | sekv from host TTFT (ms) | speed-up | "
+             "sekv from NVMe TTFT (ms) | speed-up | restored (host / NVMe) | host restore (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in table:
         lines.append(f"| {row['history_tokens']} | {row['plain_ttft_ms']} | {row['sekv_ttft_ms']} | "
-                     f"{row['speedup']}x | {row['sekv_restored_tokens']} | {row['sekv_restore_ms_median']} |")
+                     f"{row['speedup']}x | {row['nvme_ttft_ms']} | {row['nvme_speedup']}x | "
+                     f"{row['sekv_restored_tokens']} / {row['nvme_restored_tokens']} | "
+                     f"{row['sekv_restore_ms_median']} |")
     (RESULTS / "cpu_restore.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
