@@ -124,6 +124,7 @@ def rope(x, pos, inv_freq):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+@torch.no_grad()
 def surprisal_from_hidden(model, hidden, next_ids, chunk=1024):
     """hidden [n, hid] at positions t, next_ids [n] (token at t+1) -> -log p [n]."""
     w = model.lm_head.weight
@@ -167,6 +168,7 @@ def crop_cache(model, cache, p):
 # ---------------------------------------------------------------- per-sample analysis
 
 
+@torch.no_grad()
 def per_head_tables(q_pre, k_pre, hist, inv_freq, surprisal, block_tokens):
     """q_pre [L, N, Hq, D] (new tokens at positions hist..hist+N-1), k_pre [L, hist+N, H, D].
     Returns {method: per-head relevance [L, Hq, B]} incl. 'oracle' (true mass summed over tokens)."""
@@ -217,6 +219,7 @@ def interleave(*orders):
 # ---------------------------------------------------------------- phase 1
 
 
+@torch.no_grad()
 def collect_coverage(model, tok, cap, essays, length, seed, args, inv_freq):
     path = os.path.join(args.cache_dir, f"cov_L{length}_s{seed}.pt")
     if os.path.exists(path):
@@ -233,6 +236,7 @@ def collect_coverage(model, tok, cap, essays, length, seed, args, inv_freq):
     return rec
 
 
+@torch.no_grad()
 def collect_needles(model, tok, cap, essays, length, seed, n_trials, args, inv_freq):
     """One haystack per seed (prefix reused across its trials), n_trials needles."""
     paths = [os.path.join(args.cache_dir, f"needle_L{length}_s{seed}_t{t}.pt") for t in range(n_trials)]
@@ -362,6 +366,18 @@ def needle_rows(ranks, ks=(1, 8, 16)):
                 "median_rank": sorted(v)[len(v) // 2] + 1, "trials": len(v)} for m, v in ranks.items()}
 
 
+def vectors(label):
+    """Index vectors per block, layer and KV head that a method stores ('-' for oracle / recent)."""
+    total = 0
+    for part in label.split(" + "):
+        kind = part.split("/")[0]
+        if kind == "full_pre":
+            total += FULL_PRE.vectors_per_block
+        elif kind in S.SUMMARY_KINDS:
+            total += S.SUMMARY_KINDS[kind].vectors_per_block
+    return str(total) if total else "-"
+
+
 def fmt(x):
     return "-" if x != x else f"{x:.2f}"
 
@@ -386,10 +402,10 @@ def write_md(res, cmd, path):
              f"(lengths {h['needle_lengths']}).\n")
     L.append("Needle hits count the block holding the code's digits; in brackets, any block of the needle "
              "sentence.\n")
-    L.append("| method | cov k=8 | cov k=16 | cov k=32 | needle hit@1 | hit@8 | hit@16 |")
-    L.append("|---|---|---|---|---|---|---|")
+    L.append("| method | vectors/block | cov k=8 | cov k=16 | cov k=32 | needle hit@1 | hit@8 | hit@16 |")
+    L.append("|---|---|---|---|---|---|---|---|")
     for m, r in h["rows"].items():
-        L.append(f"| {m} | " + " | ".join(fmt(r["coverage"][str(k)]) for k in ks) + " | "
+        L.append(f"| {m} | {vectors(m)} | " + " | ".join(fmt(r["coverage"][str(k)]) for k in ks) + " | "
                  + " | ".join(f"{fmt(r[f'hit@{k}'])} ({fmt(r['sentence'][f'hit@{k}'])})" for k in (1, 8, 16)) + " |")
     for key, cov in res["coverage"].items():
         L.append(f"\n## Coverage of true history attention mass, {key}\n")
@@ -437,7 +453,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/index_study", help="writes OUT.json and OUT.md")
     ap.add_argument("--analyze-only", action="store_true", help="use cached samples only")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1 if args.analyze_only else args.threads)
     os.makedirs(args.cache_dir, exist_ok=True)
     t0 = time.time()
     cov_recs, needle_recs = {}, {}
@@ -480,6 +496,12 @@ def main():
         res["needle"][f"L={L}"] = {"trials": len(recs), "rows_sentence": needle_rows(loose),
                                    "model_answer_ok": sum(r["model_answer_ok"] for r in recs) / len(recs),
                                    "depths": [round(r["depth"], 3) for r in recs], "rows": needle_rows(ranks)}
+        full = [r for r in recs if set(METHOD_KINDS) <= set(r["tables"])]
+        if 0 < len(full) < len(recs):   # kinds added mid-study: compare every kind on the same trials
+            res["needle"][f"L={L}, the {len(full)} trials that have every kind"] = {
+                "trials": len(full), "rows_sentence": needle_rows(needle_ranks(full, bt, strict=False)),
+                "model_answer_ok": sum(r["model_answer_ok"] for r in full) / len(full),
+                "depths": [round(r["depth"], 3) for r in full], "rows": needle_rows(needle_ranks(full, bt))}
     nan3 = {f"hit@{k}": float("nan") for k in (1, 8, 16)}
     pooled_cov = coverage_rows([r for v in cov_recs.values() for r in v], 512, ks, bt)
     pooled_nd = needle_rows(all_ranks) if all_ranks else {}

@@ -56,6 +56,10 @@ def test_means_match_direct(keys):
     torch.testing.assert_close(S.summarize_blocks("wmean_pre", kp, kq, w, BT)[:, 0], direct)
     sub = S.summarize_blocks("sub8_pre", kp, kq, None, BT)
     torch.testing.assert_close(sub[2, 1], blk[2, 8:16].mean(0))
+    out = S.summarize_blocks("outlier_pre", kp, kq, None, BT)
+    far = (blk[1, :, 1] - blk[1, :, 1].mean(0)).norm(dim=-1).argmax()
+    torch.testing.assert_close(out[1, 1, 1], blk[1, far, 1])
+    torch.testing.assert_close(out[:, 0], blk.mean(1))
     anc = S.summarize_blocks("anchor_pre", kp, kq, w, BT)
     torch.testing.assert_close(anc[3, 1], blk[3, int(wb[3].argmax())])
 
@@ -154,6 +158,17 @@ def test_select_blocks_forces_and_ranks():
     assert S.select_blocks(r, 99).tolist() == list(range(7))
     with pytest.raises(ValueError):
         S.select_blocks(r, 1, forced=[7])
+
+
+def test_select_blocks_interleaves_two_rankings():
+    pos = torch.tensor([0.0, 1, 2, 3, 4, 5, 6, 7])      # prefers late blocks
+    content = torch.tensor([9.0, 8, 7, 1, 1, 1, 1, 6])   # prefers early blocks and 7
+    # forced 0; content's best free is 1, position's best free is 7, then 2 and 6
+    assert S.select_blocks([pos, content], 4, forced=[0]).tolist() == [0, 1, 2, 6, 7]
+    # a block both want is taken once and the budget is still filled
+    assert len(S.select_blocks([pos, pos], 3)) == 3
+    with pytest.raises(ValueError):
+        S.select_blocks([pos, content[:5]], 2)
 
 
 def test_shape_errors(keys):

@@ -110,6 +110,15 @@ def _anchor_mean(keys: Tensor, weights: Optional[Tensor]) -> Tensor:
     return torch.cat([mean, torch.gather(keys, -3, gather)], dim=-3)
 
 
+def _outlier_mean(keys: Tensor) -> Tensor:
+    """[..., T, H, D] -> [..., 2, H, D]: block mean plus, per head, the key farthest
+    (L2) from that mean: an anchor that needs no surprisal, only the keys."""
+    mean = keys.mean(dim=-3, keepdim=True)
+    idx = (keys - mean).square().sum(-1).argmax(dim=-2)              # [..., H]
+    gather = idx[..., None, :, None].expand(*keys.shape[:-3], 1, *keys.shape[-2:])
+    return torch.cat([mean, torch.gather(keys, -3, gather)], dim=-3)
+
+
 def _sub_means_anchor(keys: Tensor, weights: Optional[Tensor], parts: int) -> Tensor:
     """[..., T, H, D] -> [..., parts + 1, H, D]: sub-block means plus the anchor token's key."""
     return torch.cat([_sub_means(keys, None, parts), _anchor_mean(keys, weights)[..., 1:, :, :]], dim=-3)
@@ -175,6 +184,9 @@ for _space in ("pre", "post"):
         _kind(f"sub4_{_space}", _space, 8, False,
               lambda kp, kq, w, _k=_k: _sub_means(_k(kp, kq), None, 8),
               doc="eight vectors: means of the eight 4-token sub-blocks; block logit = logsumexp"),
+        _kind(f"outlier_{_space}", _space, 2, False,
+              lambda kp, kq, w, _k=_k: _outlier_mean(_k(kp, kq)),
+              doc="block mean + per head the key farthest from it (anchor without surprisal)"),
         _kind(f"sub8a_{_space}", _space, 5, True,
               lambda kp, kq, w, _k=_k: _sub_means_anchor(_k(kp, kq), w, 4),
               doc="four 8-token sub-block means + the highest-surprisal (anchor) token's key"),
