@@ -174,6 +174,10 @@ def run_trial(client, model, url, task, method, budget, args, tok) -> dict:
 
 # ---------------------------------------------------------------- reporting
 
+def _key(row: dict) -> tuple:
+    return row["task"], row["target_tokens"], row["seed"], row["method"], row["budget"]
+
+
 def label(method: str, budget: int | None) -> str:
     return method if budget is None else f"{method}-{budget}"
 
@@ -294,12 +298,21 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "eval_baselines"), help="output path without suffix")
     ap.add_argument("--merge", action="store_true", help="keep trials already in <out>.json")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
+    ap.add_argument("--merge-from", nargs="+", default=[], metavar="JSON",
+                    help="with --report-only: add the trials of these result files (theirs win)")
     ap.add_argument("--report-only", action="store_true",
                     help="only rebuild <out>.md/.png from <out>.json (with --note: replace the notes)")
     args = ap.parse_args()
     out = Path(args.out)
     if args.report_only:
         data = json.loads(Path(str(out) + ".json").read_text())
+        for other in args.merge_from:  # runs made on other servers, into their own files
+            extra = json.loads(Path(other).read_text())
+            keys = {_key(r) for r in extra["trials"]}
+            data["trials"] = [r for r in data["trials"] if _key(r) not in keys] + extra["trials"]
+            data["meta"]["commands"] = data["meta"].get("commands", []) + extra["meta"].get("commands", [])
+            data["meta"]["command"] = " ; ".join(data["meta"]["commands"])
+        data["cells"] = summarize(data["trials"])
         if args.note:
             data["meta"]["notes"] = args.note
         Path(str(out) + ".json").write_text(json.dumps(data, indent=1))
@@ -386,8 +399,8 @@ def main() -> None:
             s.stop()
 
     old = json.loads(Path(str(out) + ".json").read_text())["trials"] if args.merge and Path(str(out) + ".json").exists() else []
-    done = {(r["task"], r["target_tokens"], r["seed"], r["method"], r["budget"]) for r in rows}
-    rows = [r for r in old if (r["task"], r["target_tokens"], r["seed"], r["method"], r["budget"]) not in done] + rows
+    done = {_key(r) for r in rows}
+    rows = [r for r in old if _key(r) not in done] + rows
     cells = summarize(rows)
     prev_meta = json.loads(Path(str(out) + ".json").read_text())["meta"] if old else {}
     meta = {"command": "python benchmarks/eval/run_eval.py " + " ".join(sys.argv[1:]),
