@@ -110,8 +110,7 @@ def test_minmax_is_upper_bound_of_true_max(keys):
 
 
 @pytest.mark.parametrize("name", sorted(S.SUMMARY_KINDS))
-@pytest.mark.parametrize("combine", ["mean", "max", "top4"])
-def test_block_matching_query_ranks_first(name, combine):
+def test_block_matching_query_ranks_first(name):
     g = torch.Generator().manual_seed(1)
     L, B = 2, 12
     kp = torch.randn(L, B * BT, H, D, generator=g) * 0.3
@@ -121,9 +120,10 @@ def test_block_matching_query_ranks_first(name, combine):
     w = S.surprisal_weights(torch.rand(B * BT, generator=g), BT)
     summ = torch.stack([S.summarize_blocks(name, kp[l], kp[l], w, BT) for l in range(L)])
     q = target.repeat_interleave(HQ // H, 0)[None, None].expand(L, 3, HQ, D) * 2
-    r = S.score(name, q, summ, combine)
-    assert r.shape == (B,)
-    assert int(r.argmax()) == 7
+    for combine in ("mean", "max", "top4"):
+        r = S.score(name, q, summ, combine)
+        assert r.shape == (B,)
+        assert int(r.argmax()) == 7, combine
 
 
 def test_score_per_head_and_combine_match_direct(keys):

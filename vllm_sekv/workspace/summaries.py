@@ -24,12 +24,19 @@ scoring while the history is within the window).
 Relevance (:func:`score`): per layer ``l``, query head ``h`` and new token ``m``,
 ``p = softmax_b(logit(q, block_b))``, summed over ``m`` -> ``[L, Hq, B]``, then
 combined over (layer, head): ``"mean"`` (KVMEM), ``"max"`` (keeps the few
-retrieval heads that a mean drowns) or ``"top<m>"`` (mean of the m largest). All functions are pure: they never modify
-their inputs, allocate their outputs, and raise ``ValueError`` on bad shapes or
-names.
+retrieval heads that a mean drowns) or ``"top<m>"`` (mean of the m largest).
+All functions are pure and blocking: they never modify their inputs, allocate
+their outputs, and raise ``ValueError`` on bad shapes or names.
 
-The default (``DEFAULT_SUMMARY`` / ``DEFAULT_COMBINE``) was chosen by
+The default (``DEFAULT_SUMMARY`` / ``DEFAULT_COMBINE`` = ``"anchor_pre"`` /
+``"top8"``) and the in-window companion (``POSITION_SUMMARY`` /
+``POSITION_COMBINE`` = ``"minmax_post"`` / ``"mean"``) were chosen by
 ``benchmarks/index_study`` (results in ``benchmarks/results/index_study.md``).
+Typical use, per step::
+
+    idx = summarize_blocks(DEFAULT_SUMMARY, k_pre, k_post, surprisal_weights(h))  # per layer
+    r = score(DEFAULT_SUMMARY, q_pre, idx_all_layers, DEFAULT_COMBINE)            # [B]
+    keep = select_blocks(r, k, forced=sink_and_recent)  # or [r_position, r] to interleave
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from torch import Tensor
 
 __all__ = [
     "SummaryKind", "SUMMARY_KINDS", "DEFAULT_SUMMARY", "DEFAULT_COMBINE", "COMBINES",
+    "POSITION_SUMMARY", "POSITION_COMBINE",
     "get_kind", "summarize_blocks", "block_logits", "score_per_head", "combine_heads",
     "score", "select_blocks", "surprisal_weights",
 ]
@@ -202,8 +210,15 @@ for _space in ("pre", "post"):
     ):
         SUMMARY_KINDS[_kd.name] = _kd
 
-DEFAULT_SUMMARY = "sub8_pre"
-DEFAULT_COMBINE = "max"
+# Chosen by benchmarks/index_study (see benchmarks/results/index_study.md): best
+# retrieval of a distant fact among the summaries measured on every trial, two
+# vectors per block (2x Mean-K), position-free (works beyond the model's window).
+# Needs per-token surprisal for the anchor. Within the window, pair it with a
+# position-aware ranking (POSITION_SUMMARY / POSITION_COMBINE) via select_blocks.
+DEFAULT_SUMMARY = "anchor_pre"
+DEFAULT_COMBINE = "top8"
+POSITION_SUMMARY = "minmax_post"
+POSITION_COMBINE = "mean"
 
 
 def get_kind(kind: "str | SummaryKind") -> SummaryKind:
