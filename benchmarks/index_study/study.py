@@ -385,8 +385,9 @@ def fmt(x):
 def write_md(res, cmd, path):
     ks = res["setup"]["ks"]
     L = ["# Index study: block summaries for the workspace's block index\n",
-         f"Produced by `benchmarks/index_study/study.py` on {res['setup']['model']}, CPU, "
-         f"in {res['elapsed_s'] / 60:.0f} min (phase 2 only when run with `--analyze-only`). Command:\n",
+         f"Produced by `benchmarks/index_study/study.py` on {res['setup']['model']}, "
+         f"on CPU; this invocation took {res['elapsed_s'] / 60:.0f} min (samples already in the cache "
+         "are reused, so a resumed run reports only its own part). Command:\n",
          f"```\n{cmd}\n```\n",
          "Method labels are `kind/combine`. Kinds come from `vllm_sekv.workspace.summaries` "
          "(`_pre`: pre-RoPE keys scored with pre-RoPE queries, position-free; `_post`: post-RoPE keys at "
@@ -519,7 +520,13 @@ def main():
     if os.path.exists(concl):
         res["conclusion"] = open(concl).read()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    json.dump(res, open(args.out + ".json", "w"), indent=1)
+    def clean(x):   # strict JSON: NaN (no value for a method) -> null
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return None if isinstance(x, float) and x != x else x
+    json.dump(clean(res), open(args.out + ".json", "w"), indent=1)
     write_md(res, cmd, args.out + ".md")
     print(f"wrote {args.out}.json / .md in {res['elapsed_s']:.0f} s")
 
