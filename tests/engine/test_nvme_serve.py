@@ -124,3 +124,34 @@ def test_damaged_records_are_recomputed_with_correct_answers(model_dir, essay, n
     log = server.log_path.read_text(errors="replace")
     assert "failed (" in log and "it is a miss and will be recomputed" in log
     assert "checksum mismatch" in log or "short read" in log or "ENOENT" in log
+
+
+def test_full_then_read_only_disk_costs_only_recompute(model_dir, essay, plain_answers, tmp_path):
+    """The NVMe folder on a real 8 MiB filesystem: it fills up (ENOSPC), then its
+    record folders are made read-only (read-only bind mounts: EROFS). Writes fail
+    with log lines; answers stay right; the server keeps serving."""
+    import subprocess
+
+    root = tmp_path / "small"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    read_only = []
+    try:
+        server = LocalServer(model_dir, sekv=sekv_config(root), vllm_args=VLLM_ARGS, env=ENV)
+        with server:
+            got = [answer(ask(server.url, model_dir, history(essay, n))) for n in (1, 2)]
+            (fp,) = [d for d in root.iterdir() if d.name.startswith("fp-")]
+            for sub in (fp / "tmp", fp / "blocks"):
+                subprocess.run(["mount", "--bind", str(sub), str(sub)], check=True)
+                subprocess.run(["mount", "-o", "remount,bind,ro", str(sub)], check=True)
+                read_only.append(sub)
+            got += [answer(ask(server.url, model_dir, history(essay, n))) for n in (3, 4)]
+        assert got == plain_answers
+        log = server.log_path.read_text(errors="replace")
+        assert "ENOSPC" in log and "EROFS" in log and "will be recomputed" in log
+    finally:
+        for sub in read_only:
+            subprocess.run(["umount", "-l", str(sub)], capture_output=True)
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
