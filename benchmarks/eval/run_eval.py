@@ -37,6 +37,7 @@ import re
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -90,7 +91,7 @@ def require_views(url: str) -> None:
 def start_server(model_dir: str, args, sekv: dict | None):
     from vllm_sekv.serving import LocalServer
 
-    log = RESULTS / f".eval_server_{'sekv' if sekv is not None else 'plain'}.log"
+    log = Path(tempfile.gettempdir()) / f"sekv_eval_server_{'sekv' if sekv is not None else 'plain'}_{os.getpid()}.log"
     server = LocalServer(model_dir, sekv=sekv, log_path=log,
                          vllm_args=["--max-model-len", str(args.max_model_len), *VLLM_ARGS,
                                     *shlex.split(args.server_args)],
