@@ -20,9 +20,12 @@ Tasks (after RULER's niah / vt families):
 * `passkey`   one number hidden in the history; ask for it.
 * `multikey`  four "special magic number for <key>" facts in different turns;
               ask for one key's number (the others are distractors).
-* `vartrack`  two chains of assignments `VAR ABCDE = 12345`, `VAR FGHIJ = VAR ABCDE`,
-              ... (4 hops each, in order, spread over turns); ask for the value
-              of one chain's last variable (the other chain is a distractor).
+* `vartrack`  a chain of variables: "The variable QWERT holds the number 48213."
+              then, later, "The variable ZXCVB holds the same number as the variable
+              QWERT."; ask for the last variable's number. `VT_HOPS` sets the chain
+              length and `VT_CHAINS` > 1 adds distractor chains; the defaults (2, 1)
+              are the easy form, because SmolLM2-135M scored 0 on longer chains and
+              on distractor chains even with the whole history in its window.
 
 Contract: pure functions of (task, target_tokens, seed, tokenizer); the same
 arguments give the same history on every run and machine (seeded
