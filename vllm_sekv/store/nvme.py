@@ -293,11 +293,9 @@ class RecordIO:
                 body = payload
             fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                written = os.pwritev(fd, [header, body], 0)
+                _write_all(fd, [memoryview(header), memoryview(body)[: self.record_bytes - HEADER_BYTES]])
             finally:
                 os.close(fd)
-            if written != self.record_bytes:
-                raise OSError(errno.EIO, f"short write ({written} of {self.record_bytes} bytes)")
             final.parent.mkdir(exist_ok=True)
             os.replace(tmp, final)
             return Completion("write", block_hash, True, host_slot, start_token)
@@ -332,6 +330,22 @@ class RecordIO:
             return Completion("read", block_hash, True, host_slot, start_token)
         except (OSError, ValueError, ImportError, struct.error) as e:
             return Completion("read", block_hash, False, host_slot, start_token, _reason(e))
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write all of `views` at offset 0; a short write is continued, so that a
+    full disk surfaces as the system's own error (ENOSPC) rather than a count."""
+    done = 0
+    while views:
+        n = os.pwritev(fd, views, done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"write made no progress at byte {done}")
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]
 
 
 def _mtime(path: Path) -> float:
