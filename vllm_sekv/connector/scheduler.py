@@ -3,13 +3,14 @@
 Runs in the engine-core process on the scheduler thread. Owns the catalog,
 the sessions and the planner (bookkeeping only; the bytes are in the workers),
 and, with an NVMe tier, the folder's lock and manifest. Every call is blocking
-and cheap; the manifest is rewritten at most once a second, when sessions
-changed.
+and cheap. The manifest is rewritten whenever a request of a named session
+finishes, so a server killed at any point has listed every session it served
+(the whole file is rewritten: fine for thousands of sessions; a per-session
+journal is the next step for more).
 """
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from vllm_sekv import compat
@@ -23,7 +24,6 @@ from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
 
 logger = logging.getLogger("vllm_sekv")
-MANIFEST_INTERVAL_S = 1.0
 
 
 def block_bytes_per_rank(config: SekvConfig, vllm_config: Any) -> int:
@@ -82,7 +82,6 @@ class SekvSchedulerSide:
         # completed when the worker reports their last step (see
         # `update_connector_output`).
         self._open_params: dict[str, dict[str, Any]] = {}
-        self._manifest_written_s = 0.0
         logger.info(
             "sekv: host tier of %d blocks x %d tokens (%.1f MiB per block)%s",
             num_slots, config.block_tokens, block_bytes / 2**20,
@@ -152,7 +151,6 @@ class SekvSchedulerSide:
             for req_id, n in scheduler_output.num_scheduled_tokens.items()
             if req_id in self._requests
         }
-        self._maybe_write_manifest()
         return SekvMetadata(self.planner.plan_step(scheduled, self._tokens_of))
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -189,25 +187,22 @@ class SekvSchedulerSide:
         }
         if restored and st.restore_seconds == 0.0:
             self._open_params[req_id] = params  # the worker's report comes later this step
+        self._write_manifest()
         return False, {"sekv": params}
 
     # ------------------------------------------------------------ upkeep
 
-    def _maybe_write_manifest(self, force: bool = False) -> None:
+    def _write_manifest(self) -> None:
         if self.nvme is None or not self.sessions.dirty:
-            return
-        now = time.monotonic()
-        if not force and now - self._manifest_written_s < MANIFEST_INTERVAL_S:
             return
         try:
             write_manifest(self.nvme.manifest, self.sessions, self._fingerprint)
             self.sessions.dirty = False
         except OSError as e:
             logger.warning("sekv nvme: could not write the manifest: %s", e)
-        self._manifest_written_s = now
 
     def shutdown(self) -> None:
-        self._maybe_write_manifest(force=True)
+        self._write_manifest()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
