@@ -52,7 +52,7 @@ def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
                                         "kv_connector_extra_config": extra}
     llm = LLM(model=str(prepare_model(quiet=True)), max_model_len=8192, enforce_eager=True,
               gpu_memory_utilization=0.5, **kwargs)
-    corpus = llm.get_tokenizer().encode(essay_text(max_chars=400_000), add_special_tokens=False)
+    corpus = llm.get_tokenizer().encode(essay_text(), add_special_tokens=False)  # ~150K tokens
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=corpus[:256])], one, use_tqdm=False)  # warm-up
     rows = []
@@ -65,8 +65,8 @@ def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
             first = llm.generate([TokensPrompt(prompt_token_ids=history)], one, use_tqdm=False)[0]
             follow_up = history + list(first.outputs[0].token_ids) + new
             if mode == "nvme":  # push the history out of the host tier (256M: ~11K tokens)
-                for k in range(2):
-                    far = 200_000 + 20_000 * k + 9000 * r
+                for k in range(2):  # text from the far end of the corpus, never the history
+                    far = len(corpus) - 7000 * (k + 1) - 14_000 * r
                     llm.generate([TokensPrompt(prompt_token_ids=corpus[far : far + 7000])], one,
                                  use_tqdm=False)
             llm.reset_prefix_cache()
@@ -97,12 +97,11 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     runs = {}
     for mode in ("plain", "sekv", "nvme"):
-        out = RESULTS / f".cpu_restore_{mode}.tmp.json"
+        out = RESULTS / f".cpu_restore_{mode}.tmp.json"  # kept until the tables are written
         subprocess.run([sys.executable, __file__, "--child", mode, "--out", str(out),
                         "--repeats", str(args.repeats), "--histories", *map(str, args.histories)],
                        check=True)
         runs[mode] = json.loads(out.read_text())
-        out.unlink()
     table = []
     for h in args.histories:
         med = {m: statistics.median(r["ttft_s"] for r in runs[m] if r["history_tokens"] == h) for m in runs}
@@ -121,6 +120,8 @@ def main() -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (bf16)",
             "new_tokens_per_step": NEW_TOKENS, "repeats": args.repeats,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for mode in runs:
+        (RESULTS / f".cpu_restore_{mode}.tmp.json").unlink(missing_ok=True)
     (RESULTS / "cpu_restore.json").write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=1))
     lines = ["# Follow-up step after a GPU-cache reset: sekv restore (host, NVMe) vs plain re-prefill (CPU)", "",
              f"Command: `{meta['command']}` — {meta['machine']}, {meta['model']}, "
