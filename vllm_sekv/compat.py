@@ -215,3 +215,91 @@ def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int) -> dict[str,
         "world_size": geo.world_size,
         "block_tokens": block_tokens,
     }
+
+
+# ------------------------------------------------------------ execution views
+
+
+SCHEDULER_CLS = "vllm_sekv.scheduler.SekvScheduler"
+
+
+def install_scheduler_default(connector_name: str) -> None:
+    """Make the sekv connector flag also select the sekv scheduler.
+
+    Wraps `VllmConfig.__post_init__` (once per process): after vLLM's own
+    checks, a config whose KV connector is `sekv` and whose scheduler class
+    is unset gets `SekvScheduler`, synchronous scheduling (it subclasses
+    `Scheduler`, not `AsyncScheduler`). vLLM sets its diffusion schedulers at
+    the same place. An explicit `--scheduler-cls` is left alone.
+    """
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.__post_init__
+    if getattr(original, "_sekv_wrapped", False):
+        return
+
+    def __post_init__(self: Any) -> None:
+        original(self)
+        ktc = self.kv_transfer_config
+        if ktc is None or ktc.kv_connector != connector_name:
+            return
+        sc = self.scheduler_config
+        if sc.scheduler_cls is None:
+            sc.scheduler_cls = SCHEDULER_CLS
+            sc.async_scheduling = False
+
+    __post_init__._sekv_wrapped = True  # type: ignore[attr-defined]
+    VllmConfig.__post_init__ = __post_init__
+
+
+def native_window_tokens(vllm_config: "VllmConfig") -> int:
+    """The longest sequence the model was trained for: `max_position_embeddings`
+    (capped by `max_model_len` when that is smaller). Views never exceed it,
+    even when `--max-model-len` was raised to accept longer prompts."""
+    mc = vllm_config.model_config
+    native = getattr(mc.hf_text_config, "max_position_embeddings", None) or mc.max_model_len
+    return min(int(native), int(mc.max_model_len))
+
+
+def kv_capacity_tokens(kv_cache_config: Any, vllm_config: "VllmConfig") -> int:
+    """Tokens the paged KV cache holds (one request's upper bound)."""
+    if kv_cache_config is None:
+        return vllm_config.model_config.max_model_len
+    return int(kv_cache_config.num_blocks) * kv_cache_block_size(vllm_config)
+
+
+def rewrite_request(request: Any, token_ids: list[int], cache_salt: str) -> None:
+    """Replace a not-yet-computed request's tokens (and cache salt) in place,
+    as vLLM's own streaming-session update does; its block hashes follow."""
+    request.cache_salt = cache_salt
+    request.prompt_token_ids = list(token_ids)
+    request._output_token_ids.clear()
+    request._all_token_ids[:] = token_ids  # in place: `all_token_ids` is a view of it
+    request.num_prompt_tokens = len(token_ids)
+    request.block_hashes = []
+    request.update_block_hashes()
+
+
+def clamp_max_tokens(request: Any, most: int) -> None:
+    """Generate at most `most` tokens (at least one)."""
+    request.max_tokens = max(1, min(int(request.max_tokens), int(most)))
+
+
+def restart_request(scheduler: Any, request: Any) -> None:
+    """Take a running request out of the engine as if it had finished — its
+    KV blocks freed, the workers drop its state — and queue it again,
+    un-started, under the same id (the next pass of an execution view).
+    Nothing reaches the client."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler.running.remove(request)
+    scheduler._inflight_prefills.discard(request)
+    scheduler._free_request_blocks(request)
+    scheduler.encoder_cache_manager.free(request)
+    scheduler.finished_req_ids.add(request.request_id)  # workers drop it, then re-add it
+    request.status = RequestStatus.WAITING
+    request.num_computed_tokens = 0
+    request.num_in_flight_tokens = 0
+    request.is_prefill_chunk = False
+    request.spec_token_ids = []
+    scheduler.waiting.prepend_request(request)

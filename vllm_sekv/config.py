@@ -59,6 +59,14 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 POLICIES = ("slru", "lru")
+# Block summaries the views' index can use without per-token surprisal
+# (`vllm_sekv.workspace.summaries`); the surprisal-weighted kinds come with
+# SeKV segments.
+INDEX_SUMMARIES = (
+    "sub4_pre", "sub8_pre", "sub16_pre", "mean_pre", "outlier_pre", "minmax_pre",
+    "sub4_post", "sub8_post", "mean_post", "minmax_post",
+)
+_COMBINE_RE = re.compile(r"^(mean|max|top[1-9][0-9]*)$")
 
 
 @dataclass(frozen=True)
@@ -85,10 +93,29 @@ class SekvConfig:
     nvme_bytes: int = 64 << 30
     # Threads doing NVMe reads and writes in each worker.
     nvme_io_threads: int = 8
+    # Execution views. A prompt longer than `view_tokens` is served from a
+    # view: sink + the history blocks that score highest for the new tokens
+    # (in their original order) + recent + new, at positions 0..V-1, with V <=
+    # view_tokens and V + max_tokens within the model's native window.
+    # 0 = the native window (views then serve only prompts beyond it; see the
+    # README on --max-model-len).
+    view_tokens: int = 0
+    # History tokens every view keeps from the start (attention sink) and from
+    # the end; multiples of block_tokens.
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    # How the views' block index summarizes a block, and how the scores of
+    # layers x query heads combine into one relevance per block ("max", "mean"
+    # or "top<m>"). Chosen by benchmarks/index_study among the summaries that
+    # need no surprisal.
+    index_summary: str = "sub4_pre"
+    index_combine: str = "max"
+    # Queries that score the index: the last this many new tokens (0 = all).
+    probe_query_tokens: int = 64
 
     _SIZES = ("host_bytes", "nvme_bytes")
-    _STRINGS = ("nvme_dir",)
-    _CHOICES = {"policy": POLICIES}
+    _STRINGS = ("nvme_dir", "index_combine")
+    _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens
@@ -103,6 +130,27 @@ class SekvConfig:
         if not 1 <= self.nvme_io_threads <= 256:
             raise ValueError(
                 f"sekv config 'nvme_io_threads': expected 1..256, got {self.nvme_io_threads}"
+            )
+        for key in ("sink_tokens", "recent_tokens"):
+            n = getattr(self, key)
+            if n < 0 or n % bt:
+                raise ValueError(
+                    f"sekv config '{key}': expected a non-negative multiple of block_tokens "
+                    f"({bt}), got {n}"
+                )
+        if self.view_tokens < 0 or self.probe_query_tokens < 0:
+            raise ValueError("sekv config 'view_tokens' and 'probe_query_tokens' must not be negative")
+        if self.view_tokens and self.view_tokens < self.sink_tokens + self.recent_tokens + 2 * bt:
+            raise ValueError(
+                f"sekv config 'view_tokens': {self.view_tokens} leaves no room for selected "
+                f"history and new tokens next to sink_tokens + recent_tokens = "
+                f"{self.sink_tokens + self.recent_tokens}; use 0 (the model's window) or at "
+                f"least {self.sink_tokens + self.recent_tokens + 2 * bt}"
+            )
+        if not _COMBINE_RE.match(self.index_combine):
+            raise ValueError(
+                f"sekv config 'index_combine': expected mean, max or top<m> (e.g. top8), "
+                f"got {self.index_combine!r}"
             )
         if self.min_restore_tokens < 0:
             raise ValueError(

@@ -6,9 +6,10 @@ it only records names; nothing heavy is imported until vLLM asks for the
 connector class or the attention backend.
 
 What it switches on: the `sekv` KV connector (used when the user passes
-`--kv-transfer-config '{"kv_connector":"sekv",...}'`) and the attention hook
-(a wrapper around the platform's attention backend that captures K/V for the
-connector; it does nothing unless the sekv connector is active).
+`--kv-transfer-config '{"kv_connector":"sekv",...}'`), the attention hook
+(a wrapper around the platform's attention backend that captures K/V and
+shows queries to the connector; it does nothing unless the sekv connector is
+active) and, with the same flag, the sekv scheduler (execution views).
 """
 from __future__ import annotations
 
@@ -25,4 +26,5 @@ def register() -> None:
 
     compat.register_connector(CONNECTOR_NAME, "vllm_sekv.connector", "SekvConnector")
     compat.register_attention_hook()
+    compat.install_scheduler_default(CONNECTOR_NAME)
     _registered = True

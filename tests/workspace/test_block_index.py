@@ -5,7 +5,8 @@ import torch
 
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
-from vllm_sekv.workspace.block_index import MeanKIndex
+from vllm_sekv.workspace import summaries
+from vllm_sekv.workspace.block_index import BlockIndex
 
 
 def rope(head_dim=16, base=10000.0):
@@ -13,20 +14,48 @@ def rope(head_dim=16, base=10000.0):
     return RopeSpec(inv_freq=inv, rotary_dim=head_dim)
 
 
-@pytest.mark.parametrize("start", [0, 96, 5000])
-def test_entry_is_the_mean_pre_rope_key(start):
-    g = torch.Generator().manual_seed(start)
-    L, T, H, D = 3, 8, 2, 16
+def pool_with_block(start, L=3, T=8, H=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed + start)
     spec = rope(D)
     pool = HostPool(4, L, T, H, D, torch.float32)
     pre = torch.randn(L, T, H, D, generator=g)
     positions = torch.arange(start, start + T)
     for layer in range(L):  # store post-RoPE keys, as captured from the model
         pool.data[2, 0, layer] = rotate_keys(pre[layer], positions, spec)
-    index = MeanKIndex(4, L, H, D, spec)
+    return pool, pre, spec
+
+
+@pytest.mark.parametrize("start", [0, 96, 5000])
+def test_mean_pre_entry_is_the_mean_pre_rope_key(start):
+    pool, pre, spec = pool_with_block(start)
+    index = BlockIndex(4, 3, 2, 16, spec, kind="mean_pre", dtype=torch.float32)
     index.add(pool, slot=2, start_token=start)
     assert index.valid[2] and not index.valid[0]
-    torch.testing.assert_close(index.keys[2], pre.mean(dim=1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(index.entries[2, :, 0], pre.mean(dim=1), atol=1e-5, rtol=1e-5)
+
+
+def test_sub_block_entries_and_score_match_a_direct_computation():
+    start = 160
+    pool, pre, spec = pool_with_block(start)
+    index = BlockIndex(4, 3, 2, 16, spec, kind="sub4_pre", dtype=torch.float32)
+    index.add(pool, slot=2, start_token=start)
+    # sub4 on an 8-token block: eight vectors, each the mean of one token here.
+    torch.testing.assert_close(index.entries[2].transpose(0, 1), pre.transpose(0, 1),
+                               atol=1e-5, rtol=1e-5)
+    pool.data[1] = pool.data[2]
+    index.add(pool, slot=1, start_token=start)  # the same block twice: equal scores
+    q = torch.randn(5, 4, 16)  # 4 query heads over 2 KV heads
+    got = index.score(1, q, torch.tensor([1, 2, 0]))
+    want = summaries.score_per_head("sub4_pre", q, index.entries[[1, 2], 1].float())
+    torch.testing.assert_close(got[:, :2], want)
+    assert torch.all(got[:, 2] == 0)  # slot 0 was never indexed: no part in the softmax
+    torch.testing.assert_close(got[:, 0], got[:, 1])
+    torch.testing.assert_close(got.sum(-1), torch.full((4,), 5.0))
+
+
+def test_kinds_that_need_surprisal_are_refused():
+    with pytest.raises(ValueError, match="surprisal"):
+        BlockIndex(2, 1, 1, 16, rope(16), kind="anchor_pre")
 
 
 def test_rotation_composes_and_inverts():

@@ -1,11 +1,13 @@
 """The attention hook: the platform attention backend, wrapped.
 
-The wrapper subclasses the platform's backend and impl classes and changes one
-thing: after the platform writes a step's K (post-RoPE) and V into the paged
+The wrapper subclasses the platform's backend and impl classes and changes two
+things: after the platform writes a step's K (post-RoPE) and V into the paged
 cache, it hands the same tensors — `[tokens, kv_heads, head_dim]`, straight
 from the attention layer's inputs — to the active sekv connector's
-`capture_kv(layer, key, value, slot_mapping)`. The paged cache is never parsed
-by hand (its layout is platform-specific; the CPU one is transposed).
+`capture_kv(layer, key, value, slot_mapping)`; and before attention it shows
+the layer's queries to `observe_queries(layer, query)` (a probe scores the
+block index with them). The paged cache is never parsed by hand (its layout
+is platform-specific; the CPU one is transposed).
 
 `write_kv` is the restore path: the platform's own cache-update op, without
 capture, so restored KV is not captured again.
@@ -37,6 +39,13 @@ def wrap_impl(base: type) -> type:
             capture = getattr(connector, "capture_kv", None)
             if capture is not None:
                 capture(layer, key, value, slot_mapping)
+
+        def forward(self, layer: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any):
+            connector: Any = compat.active_connector()
+            observe = getattr(connector, "observe_queries", None)
+            if observe is not None:
+                observe(layer, query)
+            return super().forward(layer, query, *args, **kwargs)
 
         def write_kv(
             self,

@@ -26,7 +26,7 @@ class SekvConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from vllm_sekv.connector.scheduler import SekvSchedulerSide
 
-            self._scheduler = SekvSchedulerSide(self.config, vllm_config)
+            self._scheduler = SekvSchedulerSide(self.config, vllm_config, kv_cache_config)
         else:
             from vllm_sekv.connector.worker import SekvWorkerSide
 
@@ -59,6 +59,11 @@ class SekvConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.capture_kv(layer, key, value, slot_mapping)
 
+    def observe_queries(self, layer: Any, query: Any) -> None:
+        """Called by the attention hook with a layer's queries, before attention."""
+        if self._worker is not None:
+            self._worker.observe_queries(layer, query)
+
     def build_connector_worker_meta(self) -> Any:
         return self._worker.build_worker_meta()
 
@@ -81,6 +86,14 @@ class SekvConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    @property
+    def views(self) -> Any:
+        """The execution views' coordinator (scheduler side; None in workers)."""
+        return self._scheduler.views if self._scheduler is not None else None
+
+    def view_pass_done(self, request: Any) -> None:
+        self._scheduler.view_pass_done(request)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
@@ -24,8 +25,9 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
 
     With several ranks, `aggregate` keeps what holds for all of them: a step
     is confirmed when every rank finished it, a slot failed if any rank failed
-    it, a restore took as long as the slowest rank, and NVMe completions of
-    all ranks are passed on for the scheduler side to count.
+    it, a restore took as long as the slowest rank, NVMe completions of all
+    ranks are passed on for the scheduler side to count, and each rank's
+    probe scores (its own heads) are stacked.
     """
 
     confirmed_step: int
@@ -34,6 +36,10 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     # NVMe operations finished since the last report: (kind, block hash, ok);
     # one entry per rank, the scheduler side waits for all ranks.
     nvme_completions: list[tuple[str, bytes, bool]] = field(default_factory=list)
+    # Finished probes: req_id -> [rows, candidates] float32, one row per
+    # (layer, query head) this rank holds (`sum over queries of softmax over
+    # candidates`); ranks' rows are stacked.
+    scores: dict[str, np.ndarray] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "SekvWorkerMeta":
         assert isinstance(other, SekvWorkerMeta)
@@ -45,4 +51,8 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
             failed_slots=self.failed_slots | other.failed_slots,
             restore_seconds=seconds,
             nvme_completions=self.nvme_completions + other.nvme_completions,
+            scores={
+                req_id: np.concatenate([m[req_id] for m in (self, other) if req_id in m.scores])
+                for req_id in self.scores.keys() | other.scores.keys()
+            },
         )

@@ -16,6 +16,7 @@ from typing import Any
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
+from vllm_sekv.connector.views import ViewCoordinator
 from vllm_sekv.store import HostPool, Tier, make_policy
 from vllm_sekv.store.nvme import DirLock, NvmeLayout, folder_name, record_bytes
 from vllm_sekv.workspace.catalog import BlockCatalog
@@ -51,7 +52,7 @@ def nvme_layout(config: SekvConfig, vllm_config: Any) -> NvmeLayout:
 
 
 class SekvSchedulerSide:
-    def __init__(self, config: SekvConfig, vllm_config: Any) -> None:
+    def __init__(self, config: SekvConfig, vllm_config: Any, kv_cache_config: Any = None) -> None:
         num_slots, block_bytes = host_slots(config, vllm_config)
         world_size = compat.kv_geometry(vllm_config).world_size
         self.sessions = SessionTable()
@@ -76,6 +77,13 @@ class SekvSchedulerSide:
             paged_block_size=compat.kv_cache_block_size(vllm_config),
             min_restore_tokens=config.min_restore_tokens,
             world_size=world_size,
+            probe_query_tokens=config.probe_query_tokens,
+        )
+        self.views = ViewCoordinator(
+            config,
+            self.planner,
+            window_tokens=compat.native_window_tokens(vllm_config),
+            capacity_tokens=compat.kv_capacity_tokens(kv_cache_config, vllm_config),
         )
         self._requests: dict[str, Any] = {}
         # kv_transfer_params already handed to vLLM for finished requests,
@@ -115,8 +123,12 @@ class SekvSchedulerSide:
         return num_records, layout.scan(rank=0)
 
     def _tokens_of(self, req_id: str) -> Any:
+        """A request's known tokens in virtual order (a view job's full history)."""
         request = self._requests.get(req_id)
-        return request.all_token_ids if request is not None else ()
+        if request is None:
+            return ()
+        virtual = self.views.tokens_of(request)
+        return virtual if virtual is not None else request.all_token_ids
 
     # ---------------------------------------------------------- vLLM calls
 
@@ -124,6 +136,8 @@ class SekvSchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
+        if request.request_id in self.views.jobs:
+            return self.views.next_pass(request), False
         ext = self.planner.match(
             request.request_id,
             request.prompt_token_ids or (),
@@ -164,14 +178,23 @@ class SekvSchedulerSide:
             params = self._open_params.get(req_id)
             if params is not None:
                 params["restore_ms"] = round(1000.0 * seconds, 3)
+        for req_id, rows in meta.scores.items():
+            self.views.set_scores(req_id, rows)
         self.planner.nvme_done(meta.nvme_completions)
         self.planner.confirm(meta.confirmed_step, meta.failed_slots, self._tokens_of)
         self._open_params.clear()
 
+    def view_pass_done(self, request: Any) -> None:
+        """The scheduler hook took `request` out after a non-sampling view pass."""
+        self.views.pass_done(request, self._tokens_of)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        progress = self.views.virtual_progress(request)
+        tokens, computed = progress or (request.all_token_ids, request.num_computed_tokens)
+        view_info = self.views.finish(request)
         self._requests.pop(req_id, None)
-        st = self.planner.finish(req_id, request.all_token_ids, request.num_computed_tokens)
+        st = self.planner.finish(req_id, tokens, computed)
         if st is None:
             return False, None
         restored, cached = st.restored_tokens, max(st.cached_tokens, 0)
@@ -185,6 +208,9 @@ class SekvSchedulerSide:
             "restore_ms": round(1000.0 * st.restore_seconds, 3) if restored else 0.0,
             "workspace_blocks": self.catalog.num_committed,
         }
+        if view_info is not None:
+            params["prefilled_tokens"] = view_info.pop("prefilled_tokens")
+            params["view"] = view_info
         if restored and st.restore_seconds == 0.0:
             self._open_params[req_id] = params  # the worker's report comes later this step
         self._write_manifest()

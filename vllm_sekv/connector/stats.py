@@ -18,6 +18,8 @@ _COUNTERS = {
     "restored_tokens": "Tokens restored from the sekv workspace instead of prefilled",
     "captured_tokens": "Tokens whose K/V the sekv workspace captured",
     "restores": "Restore operations (one per request and step)",
+    "views": "Steps served from an execution view (selected history, re-RoPE'd)",
+    "probes": "Probe passes that scored the views' block index",
     "capture_failures": "Captured blocks dropped because a row was missing",
     "nvme_written_blocks": "Blocks written to the NVMe tier",
     "nvme_read_blocks": "Blocks read back from the NVMe tier (checksum verified)",

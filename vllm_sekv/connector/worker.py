@@ -3,11 +3,16 @@ restores KV into vLLM's paged cache and captures new K/V out of the forward.
 
 Runs in each worker process, on the forward thread, in this order per step:
   `start_load_kv`  index newly committed blocks; restore planned rows through
-                   the platform's own cache-update op (blocking; before the
-                   forward, as vLLM calls it for synchronous loads);
+                   the platform's own cache-update op, keys re-RoPE'd to the
+                   view's positions where the plan says so (blocking; before
+                   the forward, as vLLM calls it for synchronous loads);
   `capture_kv`     called by the attention hook once per layer, right after
                    the platform wrote that layer's K/V: copies the planned
-                   rows into the host pool (blocking);
+                   rows into the host pool, keys rotated to their virtual
+                   positions (blocking);
+  `observe_queries` called by the attention hook once per layer before
+                   attention: a probe's queries score candidate blocks of the
+                   index (accumulated over the probe's steps);
   `build_worker_meta` reports the step as done, with any capture failures and
                    the NVMe reads and writes finished so far.
 Only the host slots named by the plan are written. A capture row missing from
@@ -32,9 +37,10 @@ from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.store import HostPool
+from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store.nvme import RecordIO
-from vllm_sekv.workspace.block_index import MeanKIndex
-from vllm_sekv.workspace.plan import StepPlan
+from vllm_sekv.workspace.block_index import BlockIndex
+from vllm_sekv.workspace.plan import ScoreOp, StepPlan
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -48,7 +54,7 @@ class SekvWorkerSide:
         self.rope = compat.rope_spec(vllm_config)
         self.pool: HostPool | None = None
         self.records: RecordIO | None = None
-        self.index: MeanKIndex | None = None
+        self.index: BlockIndex | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_of: dict[str, int] = {}
         self.stats = SekvStats()
@@ -56,7 +62,11 @@ class SekvWorkerSide:
         self._confirmed_step = -1
         self._failed_slots: set[int] = set()
         self._restore_seconds: dict[str, float] = {}
-        self._capture_rows: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._capture_rows: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Probes of this step: (op, batch rows of its queries, their positions).
+        self._probe_rows: list[tuple[ScoreOp, torch.Tensor, torch.Tensor]] | None = None
+        self._score_acc: dict[str, torch.Tensor] = {}  # req_id -> [L, Hq, B]
+        self._scores_done: dict[str, np.ndarray] = {}
 
     # ---------------------------------------------------------------- set-up
 
@@ -81,7 +91,8 @@ class SekvWorkerSide:
             geo.dtype,
             pin_memory=device.type == "cuda",
         )
-        self.index = MeanKIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope)
+        self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim,
+                                self.rope, kind=self.config.index_summary)
         if self.config.nvme_dir:
             layout = nvme_layout(self.config, self.vllm_config)
             self.records = RecordIO(layout, self.pool.data, compat.worker_rank(),
@@ -91,7 +102,7 @@ class SekvWorkerSide:
 
     def bind(self, metadata: SekvMetadata) -> None:
         plan = self._plan = metadata.plan
-        self._capture_rows = None
+        self._capture_rows = self._probe_rows = None
         if self.records is not None:
             for block_hash in plan.nvme_deletes:
                 self.records.delete_now(block_hash)
@@ -108,18 +119,29 @@ class SekvWorkerSide:
             self.index.add(self.pool, slot, start_token)
         for op in plan.restores:
             t0 = time.perf_counter()
-            self._restore(forward_context, op.paged_slots, op.host_rows)
+            self._restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
             seconds = time.perf_counter() - t0
             self._restore_seconds[op.req_id] = seconds
             self.stats.add("restored_tokens", len(op.host_rows))
             self.stats.add("restore_seconds", seconds)
             self.stats.add("restores", 1)
+            if op.view_pass == "final":
+                self.stats.add("views", 1)
 
-    def _restore(self, forward_context: Any, paged_slots: np.ndarray, host_rows: np.ndarray) -> None:
+    def _restore(
+        self,
+        forward_context: Any,
+        paged_slots: np.ndarray,
+        host_rows: np.ndarray,
+        rope_deltas: np.ndarray | None,
+    ) -> None:
         rows = torch.from_numpy(host_rows)
+        deltas = None if rope_deltas is None else torch.from_numpy(rope_deltas)
         for name, kv_cache in self.kv_caches.items():
             layer = compat.attention_layer(forward_context, name)
             key, value = self.pool.read_rows(self.layer_of[name], rows)
+            if deltas is not None:
+                key = rotate_keys(key, deltas, self.rope)
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
 
@@ -127,41 +149,92 @@ class SekvWorkerSide:
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         plan = self._plan
-        if plan is None or self.pool is None or not len(plan.capture_paged_slots):
+        if plan is None or self.pool is None:
             return
-        batch_rows, host_rows = self._resolve_capture_rows(plan, slot_mapping)
+        if plan.scores and self._probe_rows is None:
+            self._probe_rows = self._resolve_probe_rows(plan, slot_mapping)
+        if not len(plan.capture_paged_slots):
+            return
+        batch_rows, host_rows, deltas = self._resolve_capture_rows(plan, slot_mapping)
         if len(batch_rows):
-            self.pool.write_rows(
-                self.layer_of[layer.layer_name], host_rows, key[batch_rows].cpu(), value[batch_rows].cpu()
-            )
+            keys = key[batch_rows].cpu()
+            if deltas is not None:
+                keys = rotate_keys(keys, deltas, self.rope)
+            self.pool.write_rows(self.layer_of[layer.layer_name], host_rows, keys, value[batch_rows].cpu())
+
+    def _batch_rows(self, slot_mapping: torch.Tensor, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found [len(want)] bool, batch row of each found slot)."""
+        mapping = slot_mapping.cpu().numpy()
+        order = np.argsort(mapping, kind="stable")
+        sorted_slots = mapping[order]
+        pos = np.clip(np.searchsorted(sorted_slots, want), 0, max(len(sorted_slots) - 1, 0))
+        found = sorted_slots[pos] == want if len(sorted_slots) else np.zeros(len(want), bool)
+        return found, order[pos[found]]
 
     def _resolve_capture_rows(
         self, plan: StepPlan, slot_mapping: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rows of this forward's batch that hold the planned paged slots.
 
         Computed once per step (all layers share one slot mapping). Planned
         slots absent from the batch fail their host slot."""
         cached = self._capture_rows
         if cached is not None and cached[0] == plan.step_id:
-            return cached[1], cached[2]
-        mapping = slot_mapping.cpu().numpy()
-        order = np.argsort(mapping, kind="stable")
-        sorted_slots = mapping[order]
-        want = plan.capture_paged_slots
-        pos = np.clip(np.searchsorted(sorted_slots, want), 0, max(len(sorted_slots) - 1, 0))
-        found = sorted_slots[pos] == want if len(sorted_slots) else np.zeros(len(want), bool)
+            return cached[1], cached[2], cached[3]
+        found, rows = self._batch_rows(slot_mapping, plan.capture_paged_slots)
         if not found.all():
             bt = self.config.block_tokens
             lost = set((plan.capture_host_rows[~found] // bt).tolist())
             self._failed_slots |= lost
             self.stats.add("capture_failures", len(lost))
             logger.warning("sekv: %d captured blocks dropped (rows missing from the batch)", len(lost))
-        batch_rows = torch.from_numpy(order[pos[found]])
+        batch_rows = torch.from_numpy(rows)
         host_rows = torch.from_numpy(plan.capture_host_rows[found])
+        deltas = plan.capture_rope_deltas[found] if len(plan.capture_rope_deltas) else None
+        deltas = torch.from_numpy(deltas) if deltas is not None and deltas.any() else None
         self.stats.add("captured_tokens", int(found.sum()))
-        self._capture_rows = (plan.step_id, batch_rows, host_rows)
-        return batch_rows, host_rows
+        self._capture_rows = (plan.step_id, batch_rows, host_rows, deltas)
+        return batch_rows, host_rows, deltas
+
+    def _resolve_probe_rows(
+        self, plan: StepPlan, slot_mapping: torch.Tensor
+    ) -> list[tuple[ScoreOp, torch.Tensor, torch.Tensor]]:
+        out = []
+        for op in plan.scores:
+            found, rows = self._batch_rows(slot_mapping, op.query_paged_slots)
+            if not found.all():
+                logger.warning("sekv: %d probe queries missing from the batch", int((~found).sum()))
+            out.append((op, torch.from_numpy(rows), torch.from_numpy(op.query_positions[found])))
+        return out
+
+    def observe_queries(self, layer: Any, query: torch.Tensor) -> None:
+        """A layer's queries (post-RoPE, as attention receives them): score the
+        step's probes' candidates with the planned rows."""
+        probes = self._probe_rows
+        if not probes or self.index is None:
+            return
+        layer_idx = self.layer_of[layer.layer_name]
+        head_dim = self.geometry.head_dim
+        for op, rows, positions in probes:
+            acc = self._score_acc.get(op.req_id)
+            if len(rows):
+                q = query[rows].reshape(len(rows), -1, head_dim).float().cpu()
+                q = rotate_keys(q, -positions, self.rope)  # pre-RoPE
+                if self.index.query_space == "post":
+                    q = rotate_keys(q, positions + op.query_virtual_offset, self.rope)
+                part = self.index.score(layer_idx, q, torch.from_numpy(op.candidate_slots))
+                if acc is None:
+                    acc = torch.zeros((self.geometry.num_layers, *part.shape), dtype=torch.float32)
+                    self._score_acc[op.req_id] = acc
+                acc[layer_idx] += part
+            if op.last and layer_idx == self.geometry.num_layers - 1:
+                done = self._score_acc.pop(op.req_id, None)
+                rows_out = done.reshape(-1, done.shape[-1]) if done is not None else None
+                self._scores_done[op.req_id] = (
+                    rows_out.numpy() if rows_out is not None
+                    else np.zeros((0, len(op.candidate_slots)), dtype=np.float32)
+                )
+                self.stats.add("probes", 1)
 
     def build_worker_meta(self) -> SekvWorkerMeta | None:
         plan = self._plan
@@ -169,8 +242,8 @@ class SekvWorkerSide:
             return None
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
         meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
-                              self._drain_nvme())
-        self._failed_slots, self._restore_seconds = set(), {}
+                              self._drain_nvme(), self._scores_done)
+        self._failed_slots, self._restore_seconds, self._scores_done = set(), {}, {}
         return meta
 
     def _drain_nvme(self) -> list[tuple[str, bytes, bool]]:

@@ -1,12 +1,19 @@
-"""The Mean-K block index: one mean pre-RoPE key per block, per layer, per KV head.
+"""The views' block index: a few summary vectors per block, layer and KV head.
 
-Entry `keys[slot]` is `[num_layers, kv_heads, head_dim]` (float32) for the block
-held in host slot `slot`, valid while `valid[slot]`. Keys are stored post-RoPE,
-so each token's key is first rotated back by its position (a pure rotation by
-`-position` built from the model's inverse frequencies), then averaged.
+Entry `entries[slot]` is `[num_layers, S, kv_heads, head_dim]` for the block
+held in host slot `slot`, valid while `valid[slot]`; `S` and how the vectors
+are made depend on the summary kind (`workspace.summaries`, e.g. `sub4_pre`:
+the means of the block's eight 4-token pieces, pre-RoPE; `mean_pre`: KVMEM's
+Mean-K). The pool stores keys post-RoPE at their virtual positions, so each
+token's key is first rotated back by its position (a pure rotation by
+`-position` from the model's inverse frequencies).
 
-Runs in the worker process, on the forward thread; `add` is blocking and writes
-only its slot's entry.
+`score` is the probe's half: per layer, the new tokens' queries against the
+candidates' entries, `sum over queries of softmax over candidates` per query
+head. Entries are kept in bfloat16 (an eighth of the block's K/V bytes for
+`sub4_pre` with 32-token blocks); scoring runs in float32.
+
+Runs in the worker process, on the forward thread; blocking.
 """
 from __future__ import annotations
 
@@ -14,25 +21,55 @@ import torch
 
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
+from vllm_sekv.workspace import summaries
 
 
-class MeanKIndex:
+class BlockIndex:
     def __init__(
-        self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int, rope: RopeSpec
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        rope: RopeSpec,
+        kind: str = "sub4_pre",
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        self.kind = summaries.get_kind(kind)
+        if self.kind.uses_weights:
+            raise ValueError(f"summary kind {kind!r} needs per-token surprisal weights")
         self.rope = rope
-        self.keys = torch.zeros((num_slots, num_layers, kv_heads, head_dim), dtype=torch.float32)
+        s = self.kind.vectors_per_block
+        self.entries = torch.zeros((num_slots, num_layers, s, kv_heads, head_dim), dtype=dtype)
         self.valid = torch.zeros(num_slots, dtype=torch.bool)
 
+    @property
+    def query_space(self) -> str:
+        """"pre": score with pre-RoPE queries; "post": rotated to their virtual positions."""
+        return self.kind.query_space
+
     def add(self, pool: HostPool, slot: int, start_token: int) -> None:
-        """Index the block in `slot`, whose first token sits at `start_token`."""
+        """Index the block in `slot`, whose first token sits at virtual position `start_token`."""
         keys = pool.block_keys(slot)  # [L, T, H, D], post-RoPE
         num_layers, num_tokens, kv_heads, head_dim = keys.shape
-        per_token = keys.permute(1, 0, 2, 3).reshape(num_tokens, num_layers * kv_heads, head_dim)
+        post = keys.permute(1, 0, 2, 3).reshape(num_tokens, num_layers * kv_heads, head_dim).float()
         positions = torch.arange(start_token, start_token + num_tokens, dtype=torch.int64)
-        pre_rope = rotate_keys(per_token.float(), -positions, self.rope)
-        self.keys[slot] = pre_rope.mean(dim=0).reshape(num_layers, kv_heads, head_dim)
+        pre = rotate_keys(post, -positions, self.rope)
+        summary = summaries.summarize_blocks(self.kind, pre, post, None, block_tokens=num_tokens)
+        s = summary.shape[1]
+        self.entries[slot] = summary[0].reshape(s, num_layers, kv_heads, head_dim).transpose(0, 1)
         self.valid[slot] = True
 
     def drop(self, slot: int) -> None:
         self.valid[slot] = False
+
+    def score(self, layer: int, queries: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """queries [M, Hq, D] (in `query_space`), candidate `slots` [B] ->
+        [Hq, B]: per query head, the sum over queries of the softmax over the
+        candidates. Candidates not indexed take no part and score 0."""
+        valid = self.valid[slots]
+        out = torch.zeros((queries.shape[1], len(slots)), dtype=torch.float32)
+        if valid.any():
+            entries = self.entries[slots[valid], layer].float()  # [B', S, H, D]
+            out[:, valid] = summaries.score_per_head(self.kind, queries.float(), entries)
+        return out

@@ -22,6 +22,29 @@ class RestoreOp:
     req_id: str
     paged_slots: np.ndarray  # [n] destination slots in vLLM's paged cache
     host_rows: np.ndarray  # [n] source rows in the host pool
+    # [n] rotate row i's key by this many positions (view - virtual) on the
+    # way in; None: every row stays where it was computed.
+    rope_deltas: np.ndarray | None = None
+    view_pass: str = ""  # the execution view pass it serves ("final", "probe", ...), if any
+
+
+@dataclass
+class ScoreOp:
+    """A probe: score candidate blocks with the queries of some of this
+    step's tokens, per layer and query head (`workspace.summaries`).
+
+    The worker accumulates `sum over queries of softmax over candidates` per
+    (layer, query head) across the probe's steps and reports the rows of its
+    heads when `last` is set.
+    """
+
+    req_id: str
+    query_paged_slots: np.ndarray  # [m] paged slots of the scoring tokens (find their rows)
+    query_positions: np.ndarray  # [m] their positions in the pass (for de-rotation)
+    candidate_slots: np.ndarray  # [B] host slots of the candidate blocks
+    candidate_starts: np.ndarray  # [B] their first token's virtual position
+    last: bool  # the probe's final step: report the scores
+    query_virtual_offset: int = 0  # virtual - pass position of the queries ("post" kinds)
 
 
 @dataclass
@@ -32,6 +55,10 @@ class StepPlan:
     # forward go to host row capture_host_rows[i].
     capture_paged_slots: np.ndarray = field(default_factory=_empty)
     capture_host_rows: np.ndarray = field(default_factory=_empty)
+    # [n] rotate captured key i by this many positions (virtual - view) before
+    # storing it; empty when nothing is captured.
+    capture_rope_deltas: np.ndarray = field(default_factory=_empty)
+    scores: list[ScoreOp] = field(default_factory=list)
     # Committed blocks whose Mean-K entry the worker must compute now:
     # (host slot, position of the block's first token).
     index_blocks: list[tuple[int, int]] = field(default_factory=list)

@@ -16,6 +16,12 @@ Per request it
     back into host slots and answers "not yet" (None) until the checked reads
     are confirmed; a failed read ends the match there (a miss).
 
+A request served from an execution view (`workspace.views`) runs as passes:
+`begin_view_pass` maps each view block to the workspace block it restores,
+re-RoPE'd by the difference of the two positions; the pass's own tokens are
+captured at their *virtual* positions (their place in the full history), and
+a probe pass asks the worker to score candidate blocks with its queries.
+
 Blocks already committed (another request computed them) are not captured
 twice. A capture the worker could not complete releases the block's slot: it
 never becomes matchable, so wrong KV is never restored.
@@ -32,8 +38,9 @@ import numpy as np
 
 from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import extend_block_hashes
-from vllm_sekv.workspace.plan import RestoreOp, StepPlan
+from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan
 from vllm_sekv.workspace.sessions import SessionTable
+from vllm_sekv.workspace.views import PassKind, ViewPass
 
 TokenSource = Callable[[str], Sequence[int]]
 
@@ -57,6 +64,10 @@ class RequestState:
     skip_blocks: set[int] = field(default_factory=set)  # not ours to capture
     capture_broken: bool = False  # the tier was full: stop reserving
     finished: bool = False
+    # Execution views: the current pass, and the blocks pinned for the whole
+    # request (its history, from the first match to the end).
+    view: ViewPass | None = None
+    view_pins: list[BlockRecord] = field(default_factory=list)
     # Figures reported back in the response's kv_transfer_params.
     cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
     restored_tokens: int = 0
@@ -73,7 +84,9 @@ class WorkspacePlanner:
         paged_block_size: int,
         min_restore_tokens: int = 0,
         world_size: int = 1,
+        probe_query_tokens: int = 0,
     ) -> None:
+        self.probe_query_tokens = probe_query_tokens
         self.catalog = catalog
         self.sessions = sessions
         self.block_tokens = block_tokens
@@ -152,21 +165,75 @@ class WorkspacePlanner:
         positions = np.arange(
             st.match_end_tokens - num_external_tokens, st.match_end_tokens, dtype=np.int64
         )
-        index = positions // bt - st.match_first_block
-        if index[0] < 0 or index[-1] >= len(st.matched):
-            raise ValueError(
-                f"request {req_id}: vLLM asked for {num_external_tokens} tokens, "
-                f"more than the {len(st.matched)} matched blocks hold"
-            )
-        slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)[index]
-        st.pending_restore = RestoreOp(req_id, np.zeros(0, np.int64), slots * bt + positions % bt)
+        host_rows, deltas = self._view_sources(st, positions)
+        st.pending_restore = RestoreOp(
+            req_id, np.zeros(0, np.int64), host_rows, deltas if deltas.any() else None,
+            st.view.kind.value if st.view is not None else "",
+        )
         st.restored_tokens = num_external_tokens
-        from_nvme = np.array([rec.block_hash in st.promoted for rec in st.matched])[index]
-        st.nvme_read_tokens = int(from_nvme.sum())
-        used = st.matched[index[0] : index[-1] + 1]
+        used_slots = set((host_rows // bt).tolist())
+        used = [rec for rec in st.matched if rec.host_slot in used_slots]
+        promoted = [rec.host_slot for rec in used if rec.block_hash in st.promoted]
+        st.nvme_read_tokens = int(np.isin(host_rows // bt, promoted).sum())
         self.catalog.pin(used)
         self.catalog.touch(used)
         st.restore_pins[-1] = used  # re-keyed to the step that carries the restore
+
+    # ------------------------------------------------------ execution views
+
+    def match_history(
+        self, req_id: str, prompt_token_ids: Sequence[int], salt: str, session_id: str | None
+    ) -> int | None:
+        """Leading blocks of the prompt that the workspace holds, all pinned for
+        the request's views; None while blocks of them are read from NVMe."""
+        st = self.requests.get(req_id)
+        if st is None:
+            st = self.requests[req_id] = RequestState(
+                req_id, salt, session_id, len(prompt_token_ids)
+            )
+        extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, salt)
+        self.catalog.unpin(st.waiting_pins + st.view_pins)
+        st.waiting_pins, st.view_pins = [], []
+        held = self.catalog.match_prefix(st.hashes)
+        usable, reading = self._promote(held, st.promoted)
+        self.catalog.pin(held[:usable])
+        if reading:
+            st.waiting_pins = held[:usable]
+            return None
+        st.matched, st.match_first_block = held[:usable], 0
+        st.view_pins = st.matched
+        return usable
+
+    def begin_view_pass(self, req_id: str, view: ViewPass) -> int:
+        """Start a pass of `req_id`'s views; returns the tokens vLLM restores
+        (the pass's history part)."""
+        st = self.requests[req_id]
+        if len(view.history_blocks) and max(view.history_blocks) >= len(st.matched):
+            raise ValueError(f"request {req_id}: the view holds blocks the match does not")
+        self._release_captures(st)
+        st.view = view
+        st.paged_block_ids, st.skip_blocks, st.capture_broken = [], set(), False
+        st.pending_restore, st.cached_tokens = None, -1
+        st.match_end_tokens = view.history_tokens
+        return view.history_tokens
+
+    def _view_sources(self, st: RequestState, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Host rows and re-RoPE deltas (view - virtual) restoring view `positions`."""
+        bt = self.block_tokens
+        view_blocks = positions // bt
+        if st.view is None:
+            index = view_blocks - st.match_first_block
+            records = st.matched
+            deltas = np.zeros(len(positions), dtype=np.int64)
+        else:
+            virtual = np.asarray(st.view.history_blocks, dtype=np.int64)[view_blocks]
+            index = virtual
+            records = st.matched
+            deltas = (view_blocks - virtual) * bt
+        if len(index) and (index.min() < 0 or index.max() >= len(records)):
+            raise ValueError(f"request {st.req_id}: restore beyond the matched blocks")
+        slots = np.array([rec.host_slot for rec in records], dtype=np.int64)[index]
+        return slots * bt + positions % bt, deltas
 
     # ------------------------------------------------------- per-step planning
 
@@ -193,12 +260,14 @@ class WorkspacePlanner:
         self, scheduled: dict[str, tuple[int, int]], tokens_of: TokenSource
     ) -> StepPlan:
         """Plan one engine step. `scheduled[req_id] = (first_token, num_tokens)`
-        computed in this step; `tokens_of(req_id)` gives the request's known tokens."""
+        computed in this step, in the request's own (view) positions;
+        `tokens_of(req_id)` gives the request's known tokens in virtual order."""
         self.commit_ready(tokens_of)
         step = StepPlan(step_id=self._next_step)
         self._next_step += 1
         src: list[np.ndarray] = []
         dst: list[np.ndarray] = []
+        deltas: list[np.ndarray] = []
         for req_id, (first, count) in scheduled.items():
             st = self.requests.get(req_id)
             if st is None or count <= 0:
@@ -212,23 +281,58 @@ class WorkspacePlanner:
                 step.restores.append(op)
                 st.restore_pins[step.step_id] = st.restore_pins.pop(-1, [])
                 st.pending_restore = None
-            rows = self._plan_capture(st, first, count, step.step_id, tokens_of)
+            if st.view is not None and st.view.kind is PassKind.PROBE:
+                score = self._plan_score(st, first, count)
+                if score is not None:
+                    step.scores.append(score)
+                continue  # a probe's tokens see a truncated history: never saved
+            offset = st.view.tail_offset if st.view is not None else 0
+            rows = self._plan_capture(st, first + offset, count, step.step_id, tokens_of)
             if rows is not None:
                 positions, host_rows = rows
-                src.append(self._paged_slots(st, positions))
+                src.append(self._paged_slots(st, positions - offset))
                 dst.append(host_rows)
+                deltas.append(np.full(len(positions), offset, dtype=np.int64))
         if src:
             step.capture_paged_slots = np.concatenate(src)
             step.capture_host_rows = np.concatenate(dst)
+            step.capture_rope_deltas = np.concatenate(deltas)
         step.index_blocks, self._index_queue = self._index_queue, []
         step.nvme_deletes = self.catalog.take_deletes()
         step.nvme_writes, self._write_queue = self._write_queue, []
         step.nvme_reads, self._read_queue = self._read_queue, []
         return step
 
+    def _plan_score(self, st: RequestState, first: int, count: int) -> ScoreOp | None:
+        """The probe's queries in [first, first + count): the last
+        `probe_query_tokens` of its tail score its candidate blocks."""
+        view = st.view
+        tail_end = view.history_tokens + view.tail_tokens
+        lo = view.history_tokens
+        if self.probe_query_tokens:
+            lo = max(lo, tail_end - self.probe_query_tokens)
+        lo, hi = max(lo, first), min(tail_end, first + count)
+        last = first + count >= view.num_tokens - 1
+        if hi <= lo and not last:
+            return None
+        positions = np.arange(lo, max(hi, lo), dtype=np.int64)
+        bt = self.block_tokens
+        return ScoreOp(
+            req_id=st.req_id,
+            query_paged_slots=self._paged_slots(st, positions),
+            query_positions=positions,
+            candidate_slots=np.array(
+                [st.matched[b].host_slot for b in view.candidates], dtype=np.int64
+            ),
+            candidate_starts=np.array(view.candidates, dtype=np.int64) * bt,
+            last=last,
+            query_virtual_offset=view.tail_offset,
+        )
+
     def _plan_capture(
         self, st: RequestState, first: int, count: int, step_id: int, tokens_of: TokenSource
     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Host rows for the tokens at (virtual) positions [first, first + count)."""
         bt = self.block_tokens
         positions = np.arange(first, first + count, dtype=np.int64)
         host_rows = np.full(count, -1, dtype=np.int64)
@@ -304,21 +408,35 @@ class WorkspacePlanner:
             if st.finished and not st.captures and not st.restore_pins and not st.waiting_pins:
                 del self.requests[st.req_id]
 
+    def _release_captures(self, st: RequestState, complete_blocks: int | None = None) -> None:
+        """Drop captures that cannot complete: all of them, or those of blocks
+        at or beyond `complete_blocks` and those not fully captured."""
+        bt = self.block_tokens
+        for b, rec in list(st.captures.items()):
+            if complete_blocks is None or rec.captured_tokens < bt or b >= complete_blocks:
+                del st.captures[b]
+                self.catalog.release(rec)
+
+    def end_pass(self, req_id: str, tokens_of: TokenSource) -> None:
+        """A non-sampling view pass finished (its steps are all confirmed)."""
+        st = self.requests[req_id]
+        self.commit_ready(tokens_of)
+        self._release_captures(st)
+
     def finish(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> RequestState | None:
-        """The request ended. Blocks still waiting for confirmation stay
-        reserved until `confirm`; incomplete ones are released now."""
+        """The request ended. `token_ids` and `num_computed_tokens` are virtual
+        (the full history) for a request served from a view. Blocks still
+        waiting for confirmation stay reserved until `confirm`; incomplete ones
+        are released now."""
         st = self.requests.get(req_id)
         if st is None:
             return None
         st.finished = True
-        self.catalog.unpin(st.waiting_pins)
-        st.waiting_pins = []
+        self.catalog.unpin(st.waiting_pins + st.view_pins)
+        st.waiting_pins, st.view_pins = [], []
         bt = self.block_tokens
         extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.salt)
-        for b, rec in list(st.captures.items()):
-            if rec.captured_tokens < bt or b >= len(st.hashes):
-                del st.captures[b]
-                self.catalog.release(rec)
+        self._release_captures(st, complete_blocks=len(st.hashes))
         if st.session_id is not None:
             self.sessions.record(st.salt, st.session_id, st.hashes, num_computed_tokens)
         return st

@@ -1,0 +1,202 @@
+"""Execution views, scheduler side: one job per request served from views.
+
+A request whose prompt is longer than its view budget becomes a `ViewJob`.
+The job runs the request as a series of passes (`workspace.views`): each time
+vLLM asks the connector for matched tokens (`next_pass`), the job chooses the
+pass, rewrites the request's tokens into it (with a cache salt of its own, so
+vLLM's prefix cache never mixes view KV with real prompt KV) and hands the
+pass to the planner, which restores its history part with re-RoPE. When a
+non-sampling pass has computed its last token, the scheduler hook takes the
+request out of the engine and queues it again (`passes_done`, `pass_done`);
+the next `next_pass` continues. The last pass samples, and its new and
+generated tokens are saved at their virtual positions.
+
+Runs in the engine-core process on the scheduler thread; every call is
+blocking and cheap, except scoring results (`set_scores`), which combine one
+row per (layer, query head).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from vllm_sekv import compat
+from vllm_sekv.config import SekvConfig
+from vllm_sekv.workspace.planner import WorkspacePlanner
+from vllm_sekv.workspace.summaries import combine_heads
+from vllm_sekv.workspace.views import PassKind, ViewBudget, ViewPass, final_pass, first_pass
+
+logger = logging.getLogger("vllm_sekv")
+
+
+@dataclass
+class ViewJob:
+    req_id: str
+    prompt: list[int]  # the full prompt: history + new tokens, virtual positions 0..
+    salt: str  # the client's cache salt (tenant), for the workspace's hashes
+    session_id: str | None
+    budget: ViewBudget
+    current: ViewPass | None = None  # None: chosen at the next `next_pass`
+    probe: ViewPass | None = None
+    scores: np.ndarray | None = None  # combined relevance of probe.candidates
+    num_passes: dict[str, int] = field(default_factory=dict)
+    prefilled_tokens: int = 0  # prompt tokens computed, over all passes
+
+    def virtual_tokens(self, request: Any) -> list[int]:
+        return self.prompt + list(request.output_token_ids)
+
+
+class ViewCoordinator:
+    def __init__(
+        self, config: SekvConfig, planner: WorkspacePlanner, window_tokens: int, capacity_tokens: int
+    ) -> None:
+        self.config = config
+        self.planner = planner
+        self.window_tokens = window_tokens
+        bt = config.block_tokens
+        view = config.view_tokens or window_tokens
+        self.view_tokens = min(view, window_tokens, capacity_tokens) // bt * bt
+        least = config.sink_tokens + config.recent_tokens + 2 * bt
+        if self.view_tokens < least:
+            raise ValueError(
+                f"sekv config 'view_tokens': views of {self.view_tokens} tokens (the model's "
+                f"window is {window_tokens}, the KV cache holds {capacity_tokens}) leave no room "
+                f"next to sink_tokens + recent_tokens; at least {least} are needed"
+            )
+        self.jobs: dict[str, ViewJob] = {}
+
+    # ------------------------------------------------------------ admission
+
+    def budget_for(self, max_tokens: int) -> ViewBudget:
+        """The view budget of a request that may generate `max_tokens`: the
+        view and its generation fit the model's window; a generation too long
+        for that shrinks the view to at most half the window (and is then cut
+        at the window, see `clamp_max_tokens`)."""
+        cfg, bt = self.config, self.config.block_tokens
+        least = cfg.sink_tokens + cfg.recent_tokens + 2 * bt
+        room = max(self.window_tokens - max_tokens, min(self.view_tokens, self.window_tokens // 2))
+        tokens = max(min(self.view_tokens, room) // bt * bt, least)
+        return ViewBudget(bt, tokens, cfg.sink_tokens, cfg.recent_tokens)
+
+    def admit(self, request: Any) -> bool:
+        """Make `request` a view job if its prompt exceeds its budget; either
+        way keep its generation inside the model's window."""
+        prompt = list(request.prompt_token_ids or ())
+        budget = self.budget_for(request.max_tokens)
+        if len(prompt) <= budget.view_tokens:
+            compat.clamp_max_tokens(request, self.window_tokens - len(prompt))
+            return False
+        job = ViewJob(request.request_id, prompt, compat.request_cache_salt(request),
+                      compat.request_session_id(request), budget)
+        self.jobs[job.req_id] = job
+        # Until its first pass is chosen the request must not hit vLLM's
+        # prefix cache under its real tokens.
+        compat.rewrite_request(request, prompt, self._pass_salt(job))
+        return True
+
+    def _pass_salt(self, job: ViewJob) -> str:
+        n = sum(job.num_passes.values())
+        return f"{job.salt}\x00sekv-view:{job.req_id}:{n}"
+
+    # ---------------------------------------------------------------- passes
+
+    def next_pass(self, request: Any) -> int | None:
+        """Choose the request's pass if not chosen yet, rewrite the request into
+        it; the tokens vLLM restores, or None while NVMe reads run."""
+        job = self.jobs[request.request_id]
+        if job.current is None:
+            if job.probe is not None:
+                assert job.scores is not None
+                view = final_pass(job.probe, job.scores.tolist(), job.budget)
+            else:
+                matched = self.planner.match_history(job.req_id, job.prompt, job.salt,
+                                                     job.session_id)
+                if matched is None:
+                    return None
+                view = first_pass(len(job.prompt), matched, job.budget)
+            job.current = view
+            job.num_passes[view.kind.value] = job.num_passes.get(view.kind.value, 0) + 1
+            job.prefilled_tokens += view.tail_tokens
+            compat.rewrite_request(request, view.token_ids(job.prompt), self._pass_salt(job))
+            if view.samples:
+                compat.clamp_max_tokens(request, self.window_tokens - view.num_tokens)
+        return self.planner.begin_view_pass(job.req_id, job.current)
+
+    def max_new_tokens(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Stop a non-sampling pass one token short of its end (the sentinel)."""
+        job = self.jobs.get(request.request_id)
+        if job is None or job.current is None or job.current.samples:
+            return num_new_tokens
+        return max(0, min(num_new_tokens, job.current.num_tokens - 1 - num_computed_tokens))
+
+    def passes_done(self, requests: Iterable[Any]) -> list[Any]:
+        """Requests among `requests` whose non-sampling pass is complete."""
+        done = []
+        for request in requests:
+            job = self.jobs.get(request.request_id)
+            if job is None or job.current is None or job.current.samples:
+                continue
+            if request.num_computed_tokens < job.current.num_tokens - 1:
+                continue
+            if job.current.kind is PassKind.PROBE and job.scores is None:
+                continue  # the probe's report is still on its way
+            done.append(request)
+        return done
+
+    def pass_done(self, request: Any, tokens_of: Any) -> None:
+        """The request was taken out of the engine after a non-sampling pass."""
+        job = self.jobs[request.request_id]
+        self.planner.end_pass(job.req_id, tokens_of)
+        if job.current.kind is PassKind.PROBE:
+            job.probe = job.current
+        job.current = None
+
+    def set_scores(self, req_id: str, rows: np.ndarray) -> None:
+        """A probe's per-(layer, query head) relevance rows arrived."""
+        job = self.jobs.get(req_id)
+        if job is None or job.current is None or job.current.kind is not PassKind.PROBE:
+            return
+        if len(rows) == 0:  # no query was seen: rank by recency
+            job.scores = np.arange(len(job.current.candidates), dtype=np.float32)
+            logger.warning("sekv: probe of %s scored no query; the view takes recent blocks", req_id)
+            return
+        job.scores = combine_heads(torch.from_numpy(rows), self.config.index_combine).numpy()
+
+    # ------------------------------------------------------------- the end
+
+    def virtual_progress(self, request: Any) -> tuple[list[int], int] | None:
+        """(virtual tokens, how many of them are computed) of a view job."""
+        job = self.jobs.get(request.request_id)
+        if job is None:
+            return None
+        tokens = job.virtual_tokens(request)
+        view = job.current
+        if view is None:
+            return tokens, 0
+        computed = max(0, request.num_computed_tokens - view.history_tokens) + view.tail_start
+        return tokens, min(computed, len(tokens))
+
+    def finish(self, request: Any) -> dict[str, Any] | None:
+        """Forget the job; what the response reports about its views."""
+        job = self.jobs.pop(request.request_id, None)
+        if job is None:
+            return None
+        view = job.current
+        out: dict[str, Any] = {
+            "passes": dict(job.num_passes),
+            "prompt_tokens": len(job.prompt),
+            "prefilled_tokens": job.prefilled_tokens,
+        }
+        if view is not None and view.samples:
+            out["view_tokens"] = view.num_tokens
+            out["block_tokens"] = view.block_tokens
+            out["selected_blocks"] = list(view.history_blocks)
+        return out
+
+    def tokens_of(self, request: Any) -> Sequence[int] | None:
+        job = self.jobs.get(request.request_id)
+        return job.virtual_tokens(request) if job is not None else None

@@ -1,0 +1,49 @@
+"""The scheduler hook: vLLM's `Scheduler`, extended to serve execution views.
+
+Selected by the sekv connector flag alone (`compat.install_scheduler_default`).
+Everything view-specific is decided by the connector's `ViewCoordinator`;
+this class only places the four calls vLLM's scheduler offers no hook for:
+
+* `add_request`: a prompt longer than its view budget becomes a view job
+  (and every request's generation stays inside the model's window);
+* `_reserve_prefill_lookahead` (vLLM's per-request cap on a step's tokens):
+  a pass that must not sample stops one token short of its end;
+* `update_from_output`: a finished non-sampling pass leaves the engine and
+  is queued again, to be rewritten into its next pass when scheduled.
+
+Without the sekv connector it behaves exactly like `Scheduler`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_sekv import compat
+
+
+class SekvScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._views = getattr(self.connector, "views", None)
+
+    def add_request(self, request: Any) -> None:
+        if self._views is not None and request.request_id not in self.requests:
+            self._views.admit(request)
+        super().add_request(request)
+
+    def _reserve_prefill_lookahead(
+        self, request: Any, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if self._views is not None:
+            n = self._views.max_new_tokens(request, num_computed_tokens, n)
+        return n
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._views is not None:
+            for request in self._views.passes_done(list(self.running)):
+                compat.restart_request(self, request)
+                self.connector.view_pass_done(request)
+        return outputs

@@ -1,0 +1,152 @@
+"""Execution views: which history blocks a step sees, and where.
+
+Pure logic, no vLLM or torch. A request whose prompt is longer than its view
+budget is served in *passes*; each pass is an ordinary vLLM request whose
+token sequence is
+
+    history blocks (restored from the workspace, in view order)
+    + tail (prompt tokens computed in this pass)
+    + one sentinel token (only in passes that must not sample)
+
+at positions 0..len-1. History block `j` of a pass holds the workspace block
+whose first token sits at virtual position `history_blocks[j] * block_tokens`
+(its position in the full history), so its keys are re-RoPE'd by
+`(j - history_blocks[j]) * block_tokens`; the tail's tokens are saved at their
+virtual positions, `virtual = view + tail_offset`.
+
+Passes, in order:
+
+* `INGEST`: the part of the prompt not yet in the workspace is too long for
+  one view: compute the next chunk of whole blocks behind sink + recent
+  history (a sliding window), save it, match again.
+* `PROBE`: compute the new tokens behind sink + recent history; their queries
+  score the candidate blocks (every other history block).
+* `FINAL`: sink + the highest-scoring candidates (original order) + recent +
+  the new tokens; this pass samples, and its new and generated tokens are
+  saved at their virtual positions.
+
+The sentinel makes a pass end one token short of its sequence, so vLLM treats
+it as an unfinished chunked prefill and never samples from it: nothing of an
+`INGEST` or `PROBE` pass reaches the client.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class PassKind(enum.Enum):
+    INGEST = "ingest"
+    PROBE = "probe"
+    FINAL = "final"
+
+
+@dataclass(frozen=True)
+class ViewBudget:
+    """Token budget of one request's views (all in tokens, block-aligned)."""
+
+    block_tokens: int
+    view_tokens: int  # most tokens a pass may hold before generation
+    sink_tokens: int
+    recent_tokens: int
+
+    def __post_init__(self) -> None:
+        bt = self.block_tokens
+        if self.view_tokens < self.sink_tokens + self.recent_tokens + 2 * bt:
+            raise ValueError(
+                f"a view of {self.view_tokens} tokens has no room next to "
+                f"{self.sink_tokens} sink and {self.recent_tokens} recent tokens"
+            )
+
+    @property
+    def blocks(self) -> int:
+        return self.view_tokens // self.block_tokens
+
+
+@dataclass(frozen=True)
+class ViewPass:
+    kind: PassKind
+    block_tokens: int
+    history_blocks: tuple[int, ...]  # virtual block index of each view block, in view order
+    tail_start: int  # virtual position of the tail's first token (a block boundary)
+    tail_tokens: int  # prompt tokens computed in this pass
+    candidates: tuple[int, ...] = ()  # PROBE: the blocks its queries score
+
+    @property
+    def history_tokens(self) -> int:
+        return len(self.history_blocks) * self.block_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.kind is PassKind.FINAL
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the pass's token sequence, sentinel included."""
+        return self.history_tokens + self.tail_tokens + (0 if self.samples else 1)
+
+    @property
+    def tail_offset(self) -> int:
+        """`virtual - view` for every tail (and generated) token."""
+        return self.tail_start - self.history_tokens
+
+    def rope_deltas(self) -> list[int]:
+        """Per history block: `view - virtual` position, in tokens."""
+        bt = self.block_tokens
+        return [(j - b) * bt for j, b in enumerate(self.history_blocks)]
+
+    def token_ids(self, prompt: Sequence[int]) -> list[int]:
+        bt = self.block_tokens
+        out: list[int] = []
+        for b in self.history_blocks:
+            out.extend(prompt[b * bt : (b + 1) * bt])
+        end = self.tail_start + self.tail_tokens
+        out.extend(prompt[self.tail_start : end])
+        if not self.samples:
+            # Never computed; any token would do. The next prompt token keeps
+            # the sequence a plain prefix of the real one where it can.
+            out.append(prompt[end] if end < len(prompt) else prompt[-1])
+        return out
+
+
+def _sink_and_recent(history: int, budget: ViewBudget) -> tuple[list[int], list[int]]:
+    bt = budget.block_tokens
+    sink = list(range(min(budget.sink_tokens // bt, history)))
+    recent = list(range(max(len(sink), history - budget.recent_tokens // bt), history))
+    return sink, recent
+
+
+def first_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudget) -> ViewPass:
+    """The next pass of a prompt whose first `matched_blocks` blocks are in
+    the workspace (contiguous from block 0, all restorable)."""
+    bt = budget.block_tokens
+    # vLLM computes at least one prompt token: never treat the whole prompt as history.
+    history = min(matched_blocks, (num_prompt_tokens - 1) // bt)
+    tail = num_prompt_tokens - history * bt
+    tail_blocks = -(-tail // bt)
+    sink, recent = _sink_and_recent(history, budget)
+    kept = len(sink) + len(recent)
+    if kept + tail_blocks > budget.blocks:
+        chunk = budget.blocks - kept
+        return ViewPass(PassKind.INGEST, bt, tuple(sink + recent), history * bt, chunk * bt)
+    if history + tail_blocks <= budget.blocks:
+        return ViewPass(PassKind.FINAL, bt, tuple(range(history)), history * bt, tail)
+    candidates = tuple(range(len(sink), history - len(recent)))
+    return ViewPass(PassKind.PROBE, bt, tuple(sink + recent), history * bt, tail, candidates)
+
+
+def final_pass(probe: ViewPass, scores: Sequence[float], budget: ViewBudget) -> ViewPass:
+    """The view after `probe`: sink + the best-scoring candidates (in their
+    original order) + recent + the same tail. `scores[i]` rates
+    `probe.candidates[i]`; ties go to the later (more recent) block."""
+    if probe.kind is not PassKind.PROBE or len(scores) != len(probe.candidates):
+        raise ValueError("final_pass needs a PROBE pass and one score per candidate")
+    bt = probe.block_tokens
+    history = probe.tail_start // bt
+    sink, recent = _sink_and_recent(history, budget)
+    room = budget.blocks - len(sink) - len(recent) - (-(-probe.tail_tokens // bt))
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], -i))
+    chosen = sorted(probe.candidates[i] for i in ranked[: max(room, 0)])
+    return ViewPass(PassKind.FINAL, bt, tuple(sink + chosen + recent), probe.tail_start,
+                    probe.tail_tokens)
