@@ -99,6 +99,21 @@ def request_session_id(request: Any) -> str | None:
     return None
 
 
+def request_view_tokens(request: Any) -> int | None:
+    """A request's own view budget: `kv_transfer_params["view_tokens"]` (or
+    `vllm_xargs`). Raises ValueError on a value that is not a positive integer
+    (the caller decides what to do: the engine core must not die of it)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    sampling = getattr(request, "sampling_params", None)
+    extra = getattr(sampling, "extra_args", None) or {}
+    value = params.get("view_tokens", extra.get("view_tokens"))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"sekv: 'view_tokens' of a request must be a positive integer, got {value!r}")
+    return value
+
+
 def request_cache_salt(request: Any) -> str:
     return getattr(request, "cache_salt", None) or ""
 

@@ -71,22 +71,29 @@ class ViewCoordinator:
 
     # ------------------------------------------------------------ admission
 
-    def budget_for(self, max_tokens: int) -> ViewBudget:
+    def budget_for(self, max_tokens: int, view_tokens: int | None = None) -> ViewBudget:
         """The view budget of a request that may generate `max_tokens`: the
         view and its generation fit the model's window; a generation too long
         for that shrinks the view to at most half the window (and is then cut
-        at the window, see `clamp_max_tokens`)."""
+        at the window, see `clamp_max_tokens`). `view_tokens` (the request's
+        own, at most the server's) lowers the budget further."""
         cfg, bt = self.config, self.config.block_tokens
         least = cfg.sink_tokens + cfg.recent_tokens + 2 * bt
-        room = max(self.window_tokens - max_tokens, min(self.view_tokens, self.window_tokens // 2))
-        tokens = max(min(self.view_tokens, room) // bt * bt, least)
+        view = min(self.view_tokens, view_tokens or self.view_tokens)
+        room = max(self.window_tokens - max_tokens, min(view, self.window_tokens // 2))
+        tokens = max(min(view, room) // bt * bt, least)
         return ViewBudget(bt, tokens, cfg.sink_tokens, cfg.recent_tokens)
 
     def admit(self, request: Any) -> bool:
         """Make `request` a view job if its prompt exceeds its budget; either
         way keep its generation inside the model's window."""
         prompt = list(request.prompt_token_ids or ())
-        budget = self.budget_for(request.max_tokens)
+        try:
+            own = compat.request_view_tokens(request)
+        except ValueError as e:  # the engine core cannot reject a request: say so, go on
+            logger.warning("%s (request %s); the server's view budget applies", e, request.request_id)
+            own = None
+        budget = self.budget_for(request.max_tokens, own)
         if len(prompt) <= budget.view_tokens:
             compat.clamp_max_tokens(request, self.window_tokens - len(prompt))
             return False
@@ -154,6 +161,9 @@ class ViewCoordinator:
         if job.current.kind is PassKind.PROBE:
             job.probe = job.current
         job.current = None
+        # vLLM looks the request up in its prefix cache before asking for its
+        # next pass: the finished pass's blocks (cached under its salt) must not match.
+        compat.rewrite_request(request, list(request.prompt_token_ids), self._pass_salt(job) + ":next")
 
     def set_scores(self, req_id: str, rows: np.ndarray) -> None:
         """A probe's per-(layer, query head) relevance rows arrived."""

@@ -16,8 +16,9 @@ virtual positions, `virtual = view + tail_offset`.
 
 Passes, in order:
 
-* `INGEST`: the part of the prompt not yet in the workspace is too long for
-  one view: compute the next chunk of whole blocks behind sink + recent
+* `INGEST`: the part of the prompt not yet in the workspace would leave too
+  little room for selected history (more than half of what sink + recent
+  leave): compute the next chunk of whole blocks behind sink + recent
   history (a sliding window), save it, match again.
 * `PROBE`: compute the new tokens behind sink + recent history; their queries
   score the candidate blocks (every other history block).
@@ -119,19 +120,24 @@ def _sink_and_recent(history: int, budget: ViewBudget) -> tuple[list[int], list[
 
 def first_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudget) -> ViewPass:
     """The next pass of a prompt whose first `matched_blocks` blocks are in
-    the workspace (contiguous from block 0, all restorable)."""
+    the workspace (contiguous from block 0, all restorable).
+
+    Of the room a view leaves next to sink + recent, the new tokens may take
+    at most half: the rest is for selected history. Longer new parts are
+    ingested first, chunk by chunk, behind sink + recent, down to that half.
+    """
     bt = budget.block_tokens
     # vLLM computes at least one prompt token: never treat the whole prompt as history.
     history = min(matched_blocks, (num_prompt_tokens - 1) // bt)
     tail = num_prompt_tokens - history * bt
     tail_blocks = -(-tail // bt)
-    sink, recent = _sink_and_recent(history, budget)
-    kept = len(sink) + len(recent)
-    if kept + tail_blocks > budget.blocks:
-        chunk = budget.blocks - kept
-        return ViewPass(PassKind.INGEST, bt, tuple(sink + recent), history * bt, chunk * bt)
     if history + tail_blocks <= budget.blocks:
         return ViewPass(PassKind.FINAL, bt, tuple(range(history)), history * bt, tail)
+    sink, recent = _sink_and_recent(history, budget)
+    room = budget.blocks - len(sink) - len(recent)
+    if tail_blocks > room // 2:
+        chunk = min(room, tail_blocks - room // 2)
+        return ViewPass(PassKind.INGEST, bt, tuple(sink + recent), history * bt, chunk * bt)
     candidates = tuple(range(len(sink), history - len(recent)))
     return ViewPass(PassKind.PROBE, bt, tuple(sink + recent), history * bt, tail, candidates)
 

@@ -1,0 +1,118 @@
+"""Execution-view passes: the pure layout logic, and the planner driving them."""
+import numpy as np
+import pytest
+
+from test_planner import BT, PAGED, Engine, prefill_and_finish
+from vllm_sekv.workspace.views import PassKind, ViewBudget, ViewPass, final_pass, first_pass
+
+BUDGET = ViewBudget(block_tokens=8, view_tokens=96, sink_tokens=8, recent_tokens=16)  # 12 blocks
+
+
+def test_a_prompt_that_fits_is_one_final_pass_over_the_whole_history():
+    p = first_pass(num_prompt_tokens=90, matched_blocks=11, budget=BUDGET)
+    assert p.kind is PassKind.FINAL and p.samples
+    assert p.history_blocks == tuple(range(11)) and p.tail_start == 88 and p.tail_tokens == 2
+    assert p.rope_deltas() == [0] * 11 and p.tail_offset == 0
+
+
+def test_a_fully_matched_prompt_still_computes_its_last_token():
+    p = first_pass(num_prompt_tokens=88, matched_blocks=11, budget=BUDGET)
+    assert p.tail_start == 80 and p.tail_tokens == 8
+
+
+def test_long_history_probes_then_selects_in_original_order():
+    prompt = list(range(1000, 1000 + 203))  # 25 full blocks + 3 tokens
+    probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)
+    assert probe.kind is PassKind.PROBE and not probe.samples
+    assert probe.history_blocks == (0, 23, 24)  # sink 1 block, recent 2 blocks
+    assert probe.candidates == tuple(range(1, 23))
+    tokens = probe.token_ids(prompt)
+    assert tokens[:8] == prompt[:8] and tokens[8:24] == prompt[184:200]
+    assert tokens[24:27] == prompt[200:203] and len(tokens) == probe.num_tokens == 28
+    assert probe.rope_deltas() == [0, (1 - 23) * 8, (2 - 24) * 8]
+    assert probe.tail_offset == 200 - 24
+
+    scores = [0.0] * len(probe.candidates)
+    for block, score in ((5, 3.0), (17, 2.0), (2, 1.0), (9, 1.0)):
+        scores[block - 1] = score
+    final = final_pass(probe, scores, BUDGET)
+    # room: 12 blocks - 1 sink - 2 recent - 1 tail block = 8 selected
+    assert final.kind is PassKind.FINAL and len(final.history_blocks) == 11
+    assert final.history_blocks[:5] == (0, 2, 5, 9, 17)  # best four, original order
+    assert final.history_blocks[-2:] == (23, 24)
+    assert list(final.history_blocks) == sorted(final.history_blocks)
+    assert final.token_ids(prompt)[-3:] == prompt[-3:] and final.num_tokens == 91
+    assert final.tail_offset == 200 - 88
+
+
+def test_a_long_new_part_is_ingested_down_to_half_the_room():
+    # 4 blocks of history, 80 new tokens (10 blocks): room 9 -> at most 4 new blocks per view
+    p = first_pass(num_prompt_tokens=112, matched_blocks=4, budget=BUDGET)
+    assert p.kind is PassKind.INGEST and p.tail_start == 32 and p.tail_tokens == 6 * 8
+    assert p.history_blocks == (0, 2, 3)
+    tokens = p.token_ids(list(range(112)))
+    assert tokens[-1] == 32 + 48  # the sentinel: the next prompt token, never computed
+    then = first_pass(112, matched_blocks=10, budget=BUDGET)
+    assert then.kind is PassKind.PROBE and then.tail_tokens == 32
+
+
+def test_a_cold_prompt_starts_with_a_chunk_and_no_history():
+    p = first_pass(num_prompt_tokens=500, matched_blocks=0, budget=BUDGET)
+    assert p.kind is PassKind.INGEST and p.history_blocks == () and p.tail_tokens == 12 * 8
+
+
+def test_budget_must_leave_room():
+    with pytest.raises(ValueError, match="no room"):
+        ViewBudget(8, 32, 8, 16)
+
+
+# ------------------------------------------------------------- the planner
+
+
+def test_planner_restores_a_view_with_rerope_and_saves_at_virtual_positions():
+    eng = Engine()
+    prompt = list(range(1, 1 + 25 * BT))
+    prefill_and_finish(eng, "a", prompt)  # the workspace holds 25 blocks
+    full = prompt + list(range(500, 503))
+    assert eng.planner.match_history("v", full, "", None) == 25
+    probe = first_pass(len(full), 25, BUDGET)
+    assert eng.planner.begin_view_pass("v", probe) == 24
+    eng.tokens["v"] = full
+    eng.planner.set_paged_blocks("v", [200, 201], replace=True)
+    eng.planner.accept_restore("v", 24)
+    plan = eng.run({"v": (24, 3)})
+    (restore,) = plan.restores
+    assert restore.view_pass == "probe"
+    records = eng.planner.requests["v"].matched
+    want_rows = np.concatenate([records[b].host_slot * BT + np.arange(BT) for b in (0, 23, 24)])
+    assert np.array_equal(restore.host_rows, want_rows)
+    assert np.array_equal(restore.paged_slots, 200 * PAGED + np.arange(24))
+    assert np.array_equal(restore.rope_deltas, np.repeat([0, (1 - 23) * BT, (2 - 24) * BT], BT))
+    assert not len(plan.capture_paged_slots)  # a probe's tokens are never saved
+    (score,) = plan.scores
+    assert score.last and np.array_equal(score.query_positions, [24, 25, 26])
+    assert len(score.candidate_slots) == 22 and score.query_virtual_offset == 200 - 24
+    eng.planner.end_pass("v", eng.tokens_of)
+
+    final = final_pass(probe, list(range(22)), BUDGET)  # the latest candidates win
+    assert eng.planner.begin_view_pass("v", final) == 88
+    eng.planner.set_paged_blocks("v", [300, 301, 302, 303, 304, 305, 306], replace=True)
+    eng.planner.accept_restore("v", 88)
+    plan = eng.run({"v": (88, 3)})
+    (restore,) = plan.restores
+    assert restore.view_pass == "final" and len(restore.host_rows) == 88
+    # New tokens: view 88..90 -> virtual 200..202, keys rotated by +112.
+    assert np.array_equal(plan.capture_rope_deltas, [112, 112, 112])
+    view_slots = np.array([305 * PAGED + 8, 305 * PAGED + 9, 305 * PAGED + 10])
+    assert np.array_equal(plan.capture_paged_slots, view_slots)
+    # ... into the host rows of virtual block 25 (positions 200..202 -> offsets 0..2)
+    assert np.array_equal(plan.capture_host_rows % BT, [0, 1, 2])
+
+    # Decode continues at the tail; the block completes and is committed under
+    # the hash of its virtual tokens: a later prompt with this history matches it.
+    eng.tokens["v"] = full + [600, 601, 602, 603, 604]
+    for i in range(5):
+        eng.run({"v": (91 + i, 1)})
+    eng.planner.finish("v", eng.tokens["v"], 208)
+    eng.run({})
+    assert eng.planner.match_history("w", eng.tokens["v"] + [7], "", None) == 26
