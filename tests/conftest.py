@@ -21,3 +21,18 @@ def essay() -> str:
     from vllm_sekv.essays import essay_text
 
     return essay_text(max_chars=200_000)
+
+
+@pytest.fixture(scope="session")
+def eval_tasks():
+    """benchmarks/eval/tasks.py (the evaluation's task generators) as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval" / "tasks.py"
+    spec = importlib.util.spec_from_file_location("eval_tasks", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["eval_tasks"] = module
+    spec.loader.exec_module(module)
+    return module

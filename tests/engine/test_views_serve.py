@@ -1,0 +1,111 @@
+"""Execution views through the OpenAI endpoint of a real `vllm serve`.
+
+One sekv server whose `--max-model-len` (32768, with
+`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`) is four times SmolLM2's native window
+(8192): views keep every forward pass inside the window. Requests ask for a
+2048-token view budget through `kv_transfer_params`. An agent session reads
+documents step by step until its history passes 16K tokens; a pass key sits
+in an early document, more than the native window back from the question.
+"""
+import pytest
+
+from test_http_serve import post
+from vllm_sekv.serving import LocalServer
+
+pytestmark = pytest.mark.engine
+
+VLLM_ARGS = ["--max-model-len", "32768", "--enforce-eager", "--dtype", "bfloat16",
+             "--gpu-memory-utilization", "0.5"]
+ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "SEKV_HOST_BYTES": "2G"}
+VIEW = {"view_tokens": 2048}
+HISTORY_TOKENS = 16384
+SEED = 2  # the pass key sits at ~30% depth, ~11K tokens before the question
+NATIVE_WINDOW = 8192
+BT = 32
+
+
+def tool_turn_ends(messages):
+    """Indices just past each tool message: the agent's steps."""
+    return [i + 1 for i, m in enumerate(messages) if m["role"] == "tool"]
+
+
+def needle_block(tok, tasks, task):
+    ids = tasks.render_ids(tok, task.messages)
+    digits = tok.encode(task.answer, add_special_tokens=False)
+    starts = [i for i in range(len(ids)) if ids[i : i + len(digits)] == digits]
+    assert starts, "the pass key's tokens are not in the prompt"
+    return starts[0] // BT, len(ids) - starts[0]
+
+
+@pytest.fixture(scope="module")
+def session(model_dir, eval_tasks):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    task = eval_tasks.generate("passkey", HISTORY_TOKENS, SEED, tok)
+    with LocalServer(model_dir, sekv={}, vllm_args=VLLM_ARGS, env=ENV) as server:
+        steps = []
+        ends = tool_turn_ends(task.messages)
+        for end in ends[3::4] + [ends[-1]]:  # a few documents per step
+            body = {"model": model_dir, "messages": task.messages[:end], "max_tokens": 6,
+                    "temperature": 0, "session_id": "reader", "kv_transfer_params": VIEW}
+            steps.append(post(server.url, "/v1/chat/completions", body))
+        question = {"model": model_dir, "messages": task.messages, "temperature": 0,
+                    "session_id": "reader", "kv_transfer_params": VIEW,
+                    "continue_final_message": True, "add_generation_prompt": False}
+        one = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 1})
+        answer = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 10})
+        # The agent rewrites a document it read after the pass key: the workspace
+        # keeps the history up to that turn and forks from it.
+        edited = [dict(m) for m in task.messages]
+        late = task.messages.index(next(m for m in reversed(task.messages) if m["role"] == "tool"))
+        edited[late - 4] = {**edited[late - 4], "content": "(this document was deleted)"}
+        after_edit = post(server.url, "/v1/chat/completions",
+                          {**question, "messages": edited, "max_tokens": 10})
+    return tok, task, steps, one, answer, after_edit
+
+
+def sekv(response):
+    return response["kv_transfer_params"]["sekv"]
+
+
+def test_every_step_of_a_16k_session_is_served_from_views(session):
+    _, task, steps, _, answer, _ = session
+    assert task.prompt_tokens > 2 * NATIVE_WINDOW
+    for r in steps + [answer]:
+        assert r["choices"][0]["finish_reason"] in ("length", "stop")
+        view = sekv(r).get("view")
+        if r["usage"]["prompt_tokens"] > VIEW["view_tokens"]:
+            assert view is not None and view["passes"]["final"] == 1
+            assert view["view_tokens"] <= VIEW["view_tokens"]
+    # Later steps restore their history from the workspace instead of recomputing it.
+    assert sekv(answer)["prefilled_tokens"] < 200
+    assert sekv(answer)["restored_tokens"]["host"] > 1500
+
+
+def test_the_probe_never_reaches_the_client(session):
+    _, _, _, one, answer, _ = session
+    # With max_tokens=1 a leaked probe token would end the request before its
+    # final pass; instead the one token is the first of the longer answer.
+    assert one["usage"]["completion_tokens"] == 1
+    assert sekv(one)["view"]["passes"] == {"probe": 1, "final": 1}
+    first = one["choices"][0]["message"]["content"]
+    assert first and answer["choices"][0]["message"]["content"].startswith(first)
+
+
+def test_a_fact_beyond_the_native_window_is_selected_and_answered(session, eval_tasks):
+    tok, task, _, _, answer, _ = session
+    block, distance = needle_block(tok, eval_tasks, task)
+    assert distance > NATIVE_WINDOW  # the fact lies beyond the model's window
+    assert block in sekv(answer)["view"]["selected_blocks"]
+    assert eval_tasks.is_correct(task.answer, answer["choices"][0]["message"]["content"])
+
+
+def test_an_edited_history_forks_the_workspace_and_still_answers(session, eval_tasks):
+    tok, task, _, _, answer, after_edit = session
+    view = sekv(after_edit)["view"]
+    assert view["passes"].get("ingest", 0) >= 1  # the edited tail was recomputed ...
+    assert sekv(after_edit)["prefilled_tokens"] > sekv(answer)["prefilled_tokens"]
+    block, _ = needle_block(tok, eval_tasks, task)
+    assert block in view["selected_blocks"]  # ... the history before it was kept
+    assert eval_tasks.is_correct(task.answer, after_edit["choices"][0]["message"]["content"])
