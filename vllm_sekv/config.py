@@ -112,6 +112,8 @@ class SekvConfig:
     index_combine: str = "max"
     # Queries that score the index: the last this many new tokens (0 = all).
     probe_query_tokens: int = 64
+    # Blocks before each selected block that the view takes along with it.
+    view_context_blocks: int = 0
 
     _SIZES = ("host_bytes", "nvme_bytes")
     _STRINGS = ("nvme_dir", "index_combine")
@@ -138,8 +140,9 @@ class SekvConfig:
                     f"sekv config '{key}': expected a non-negative multiple of block_tokens "
                     f"({bt}), got {n}"
                 )
-        if self.view_tokens < 0 or self.probe_query_tokens < 0:
-            raise ValueError("sekv config 'view_tokens' and 'probe_query_tokens' must not be negative")
+        for key in ("view_tokens", "probe_query_tokens", "view_context_blocks"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"sekv config '{key}': must not be negative, got {getattr(self, key)}")
         if self.view_tokens and self.view_tokens < self.sink_tokens + self.recent_tokens + 2 * bt:
             raise ValueError(
                 f"sekv config 'view_tokens': {self.view_tokens} leaves no room for selected "

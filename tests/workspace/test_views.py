@@ -45,15 +45,15 @@ def test_long_history_probes_then_selects_in_original_order():
     assert final.tail_offset == 200 - 88
 
 
-def test_a_long_new_part_is_ingested_down_to_half_the_room():
-    # 4 blocks of history, 80 new tokens (10 blocks): room 9 -> at most 4 new blocks per view
+def test_a_long_new_part_is_ingested_down_to_a_quarter_of_the_room():
+    # 4 blocks of history, 80 new tokens (10 blocks): room 9 -> at most 2 new blocks per view
     p = first_pass(num_prompt_tokens=112, matched_blocks=4, budget=BUDGET)
-    assert p.kind is PassKind.INGEST and p.tail_start == 32 and p.tail_tokens == 6 * 8
+    assert p.kind is PassKind.INGEST and p.tail_start == 32 and p.tail_tokens == 8 * 8
     assert p.history_blocks == (0, 2, 3)
     tokens = p.token_ids(list(range(112)))
-    assert tokens[-1] == 32 + 48  # the sentinel: the next prompt token, never computed
-    then = first_pass(112, matched_blocks=10, budget=BUDGET)
-    assert then.kind is PassKind.PROBE and then.tail_tokens == 32
+    assert tokens[-1] == 32 + 64  # the sentinel: the next prompt token, never computed
+    then = first_pass(112, matched_blocks=12, budget=BUDGET)
+    assert then.kind is PassKind.PROBE and then.tail_tokens == 16
 
 
 def test_a_cold_prompt_starts_with_a_chunk_and_no_history():

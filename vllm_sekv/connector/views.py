@@ -118,7 +118,8 @@ class ViewCoordinator:
         if job.current is None:
             if job.probe is not None:
                 assert job.scores is not None
-                view = final_pass(job.probe, job.scores.tolist(), job.budget)
+                view = final_pass(job.probe, job.scores.tolist(), job.budget,
+                                  self.config.view_context_blocks)
             else:
                 matched = self.planner.match_history(job.req_id, job.prompt, job.salt,
                                                      job.session_id)

@@ -17,8 +17,8 @@ virtual positions, `virtual = view + tail_offset`.
 Passes, in order:
 
 * `INGEST`: the part of the prompt not yet in the workspace would leave too
-  little room for selected history (more than half of what sink + recent
-  leave): compute the next chunk of whole blocks behind sink + recent
+  little room for selected history (it takes more than a quarter of what
+  sink + recent leave): compute the next chunk of whole blocks behind sink + recent
   history (a sliding window), save it, match again.
 * `PROBE`: compute the new tokens behind sink + recent history; their queries
   score the candidate blocks (every other history block).
@@ -123,8 +123,9 @@ def first_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudget) 
     the workspace (contiguous from block 0, all restorable).
 
     Of the room a view leaves next to sink + recent, the new tokens may take
-    at most half: the rest is for selected history. Longer new parts are
-    ingested first, chunk by chunk, behind sink + recent, down to that half.
+    at most a quarter: the rest is for selected history. Longer new parts are
+    ingested first, chunk by chunk, behind sink + recent, down to that quarter
+    (the last new tokens, e.g. the question, then see the selected history).
     """
     bt = budget.block_tokens
     # vLLM computes at least one prompt token: never treat the whole prompt as history.
@@ -135,24 +136,36 @@ def first_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudget) 
         return ViewPass(PassKind.FINAL, bt, tuple(range(history)), history * bt, tail)
     sink, recent = _sink_and_recent(history, budget)
     room = budget.blocks - len(sink) - len(recent)
-    if tail_blocks > room // 2:
-        chunk = min(room, tail_blocks - room // 2)
+    if tail_blocks > room // 4:
+        chunk = min(room, tail_blocks - room // 4)
         return ViewPass(PassKind.INGEST, bt, tuple(sink + recent), history * bt, chunk * bt)
     candidates = tuple(range(len(sink), history - len(recent)))
     return ViewPass(PassKind.PROBE, bt, tuple(sink + recent), history * bt, tail, candidates)
 
 
-def final_pass(probe: ViewPass, scores: Sequence[float], budget: ViewBudget) -> ViewPass:
+def final_pass(
+    probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0
+) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
-    `probe.candidates[i]`; ties go to the later (more recent) block."""
+    `probe.candidates[i]`; ties go to the later (more recent) block. With
+    `context_blocks` > 0, each chosen block brings that many blocks before it
+    (a fact often starts in the block before the one that scores)."""
     if probe.kind is not PassKind.PROBE or len(scores) != len(probe.candidates):
         raise ValueError("final_pass needs a PROBE pass and one score per candidate")
     bt = probe.block_tokens
     history = probe.tail_start // bt
     sink, recent = _sink_and_recent(history, budget)
     room = budget.blocks - len(sink) - len(recent) - (-(-probe.tail_tokens // bt))
+    candidates = set(probe.candidates)
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], -i))
-    chosen = sorted(probe.candidates[i] for i in ranked[: max(room, 0)])
-    return ViewPass(PassKind.FINAL, bt, tuple(sink + chosen + recent), probe.tail_start,
+    chosen: set[int] = set()
+    for i in ranked:
+        block = probe.candidates[i]
+        for b in range(block - context_blocks, block + 1):
+            if len(chosen) < room and b in candidates:
+                chosen.add(b)
+        if len(chosen) >= room:
+            break
+    return ViewPass(PassKind.FINAL, bt, tuple(sink + sorted(chosen) + recent), probe.tail_start,
                     probe.tail_tokens)
