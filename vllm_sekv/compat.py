@@ -33,26 +33,44 @@ def register_connector(name: str, module_path: str, class_name: str) -> None:
         KVConnectorFactory.register_connector(name, module_path, class_name)
 
 
-def register_attention_hook() -> None:
-    """Point the platform's attention backend at the sekv wrapper around it.
+# Backends the hook wraps, by platform: CPU's only one; on CUDA the ones vLLM
+# picks for standard attention (FLASH_ATTN on Hopper, then FlashInfer, Triton).
+_HOOKED_BACKENDS = {"cpu": ("CPU_ATTN",), "cuda": ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")}
+_WRAPPER_MODULE = "vllm_sekv.attention.backend"
 
-    CPU: `--attention-backend CUSTOM` is ignored, so the `CPU_ATTN` registry
-    entry itself is overridden. The wrapper subclasses the platform class and
-    passes everything through unless the sekv connector is active.
+
+def register_attention_hook() -> None:
+    """Point the platform's attention backends at sekv wrappers around them.
+
+    The registry entries themselves are overridden (on CPU `--attention-backend
+    CUSTOM` is ignored; on CUDA no user flag is needed either). Each wrapper
+    subclasses the platform class and passes everything through unless the
+    sekv connector is active. Idempotent.
     """
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if current_platform.is_cpu():
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN, "vllm_sekv.attention.backend.SekvCPUAttentionBackend"
-        )
+    platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+    for name in _HOOKED_BACKENDS.get(platform, ()):
+        member = getattr(AttentionBackendEnum, name, None)
+        if member is None or not member.value:
+            continue
+        base_name = member.value.rsplit(".", 1)[1]
+        register_backend(member, f"{_WRAPPER_MODULE}.Sekv{base_name}")
 
 
-def cpu_attention_backend_cls() -> type:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+def attention_backend_base(wrapper_name: str) -> type | None:
+    """`Sekv<Base>` -> the platform backend class `<Base>`, imported from the
+    registry's default path (never through the registry, which now names the
+    wrapper)."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    return CPUAttentionBackend
+    for member in AttentionBackendEnum:
+        path = member.value
+        if path and wrapper_name == "Sekv" + path.rsplit(".", 1)[1]:
+            return resolve_obj_by_qualname(path)
+    return None
 
 
 # ------------------------------------------------------------------ the engine
@@ -241,11 +259,12 @@ SCHEDULER_CLS = "vllm_sekv.scheduler.SekvScheduler"
 def install_scheduler_default(connector_name: str) -> None:
     """Make the sekv connector flag also select the sekv scheduler.
 
-    Wraps `VllmConfig.__post_init__` (once per process): after vLLM's own
-    checks, a config whose KV connector is `sekv` and whose scheduler class
-    is unset gets `SekvScheduler`, synchronous scheduling (it subclasses
-    `Scheduler`, not `AsyncScheduler`). vLLM sets its diffusion schedulers at
-    the same place. An explicit `--scheduler-cls` is left alone.
+    Wraps `VllmConfig.__post_init__` (once per process): before vLLM's own
+    checks, a config whose KV connector is `connector_name` and whose scheduler
+    class is unset gets `SekvScheduler` with synchronous scheduling (it
+    subclasses `Scheduler`, not `AsyncScheduler`); an explicit request for
+    asynchronous scheduling fails naming the flag. vLLM 0.32 sets its diffusion
+    schedulers the same way. An explicit `--scheduler-cls` is left alone.
     """
     from vllm.config import VllmConfig
 
@@ -254,17 +273,63 @@ def install_scheduler_default(connector_name: str) -> None:
         return
 
     def __post_init__(self: Any) -> None:
-        original(self)
-        ktc = self.kv_transfer_config
-        if ktc is None or ktc.kv_connector != connector_name:
-            return
-        sc = self.scheduler_config
-        if sc.scheduler_cls is None:
+        ktc, sc = self.kv_transfer_config, self.scheduler_config
+        if ktc is not None and ktc.kv_connector == connector_name and sc.scheduler_cls is None:
+            if sc.async_scheduling:
+                raise ValueError(
+                    "sekv: the sekv scheduler is synchronous; remove --async-scheduling "
+                    "(or pass --scheduler-cls to use another scheduler without execution views)"
+                )
             sc.scheduler_cls = SCHEDULER_CLS
             sc.async_scheduling = False
+        original(self)
 
     __post_init__._sekv_wrapped = True  # type: ignore[attr-defined]
     VllmConfig.__post_init__ = __post_init__
+
+
+def prefill_cap_mixin() -> type:
+    """A mixin for `Scheduler` subclasses: every prefill chunk vLLM schedules
+    (running and waiting requests alike) goes through
+    `self._sekv_cap(request, num_computed_tokens, num_new_tokens) -> int`.
+
+    vLLM 0.32 has a per-request hook for this, `_reserve_prefill_lookahead`.
+    vLLM 0.26 has none but `_mamba_block_aligned_split`, called at the same
+    two places when `need_mamba_block_aligned_split` is set; the mixin sets
+    the flag (`_sekv_enable_cap`) and calls vLLM's split only for models that
+    needed it.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if hasattr(Scheduler, "_reserve_prefill_lookahead"):
+
+        class _PrefillCap:
+            def _sekv_enable_cap(self) -> None:
+                pass
+
+            def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+                n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+                return self._sekv_cap(request, num_computed_tokens, n)
+
+        return _PrefillCap
+
+    class _PrefillCap:  # vLLM 0.26
+        def _sekv_enable_cap(self) -> None:
+            self._sekv_native_split = self.need_mamba_block_aligned_split
+            self.need_mamba_block_aligned_split = True
+
+        def _mamba_block_aligned_split(self, request, num_new_tokens,
+                                       num_new_local_computed_tokens=0,
+                                       num_external_computed_tokens=0):
+            n = num_new_tokens
+            if getattr(self, "_sekv_native_split", True):
+                n = super()._mamba_block_aligned_split(
+                    request, n, num_new_local_computed_tokens, num_external_computed_tokens)
+            computed = (request.num_computed_tokens + num_new_local_computed_tokens
+                        + num_external_computed_tokens)
+            return self._sekv_cap(request, computed, n)
+
+    return _PrefillCap
 
 
 def native_window_tokens(vllm_config: "VllmConfig") -> int:

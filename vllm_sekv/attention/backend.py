@@ -73,4 +73,12 @@ def wrap_backend(base: type) -> type:
     return SekvAttentionBackend
 
 
-SekvCPUAttentionBackend = wrap_backend(compat.cpu_attention_backend_cls())
+def __getattr__(name: str) -> type:
+    """`Sekv<Base>` (e.g. `SekvCPUAttentionBackend`, `SekvFlashAttentionBackend`):
+    the platform backend `<Base>` wrapped, built on first use (the path vLLM's
+    backend registry was pointed at by `compat.register_attention_hook`)."""
+    base = compat.attention_backend_base(name)
+    if base is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = globals()[name] = wrap_backend(base)
+    return cls

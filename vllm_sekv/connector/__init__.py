@@ -101,6 +101,12 @@ class SekvConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:
+        """The attention hook is Python: a full CUDA graph would replay decode
+        steps without it (no capture). Piecewise graphs run attention eagerly."""
+        return True
+
     # ------------------------------------------------------------ metrics
 
     @classmethod

@@ -39,6 +39,7 @@ from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.store import HostPool
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store.nvme import RecordIO
+from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
 from vllm_sekv.workspace.plan import ScoreOp, StepPlan
 
@@ -55,6 +56,8 @@ class SekvWorkerSide:
         self.pool: HostPool | None = None
         self.records: RecordIO | None = None
         self.index: BlockIndex | None = None
+        self.pipeline: RestorePipeline | None = None  # CUDA: batched, overlapped host->device restores
+        self._restore_events: list[tuple[str, Any, Any]] = []  # CUDA: (req_id, start, end) to time
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_of: dict[str, int] = {}
         self.stats = SekvStats()
@@ -67,6 +70,9 @@ class SekvWorkerSide:
         self._probe_rows: list[tuple[ScoreOp, torch.Tensor, torch.Tensor]] | None = None
         self._score_acc: dict[str, torch.Tensor] = {}  # req_id -> [L, Hq, B]
         self._scores_done: dict[str, np.ndarray] = {}
+        # Committed blocks not indexed yet: indexed in one batch when a probe
+        # needs the index, never in steps that do not (restores stay lean).
+        self._index_pending: list[tuple[int, int]] = []
 
     # ---------------------------------------------------------------- set-up
 
@@ -91,6 +97,8 @@ class SekvWorkerSide:
             geo.dtype,
             pin_memory=device.type == "cuda",
         )
+        if device.type == "cuda":
+            self.pipeline = RestorePipeline(tuple(self.pool.data.shape[1:]), geo.dtype, device)
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim,
                                 self.rope, kind=self.config.index_summary)
         if self.config.nvme_dir:
@@ -115,15 +123,20 @@ class SekvWorkerSide:
         plan = self._plan
         if plan is None or self.pool is None:
             return
-        for slot, start_token in plan.index_blocks:
-            self.index.add(self.pool, slot, start_token)
+        self._index_pending.extend(plan.index_blocks)
+        if plan.scores and self._index_pending:
+            latest = dict(self._index_pending)  # a reused slot: its last block counts
+            self.index.add_many(self.pool, list(latest), list(latest.values()))
+            self._index_pending = []
         for op in plan.restores:
             t0 = time.perf_counter()
-            self._restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
-            seconds = time.perf_counter() - t0
-            self._restore_seconds[op.req_id] = seconds
+            if self.pipeline is not None:
+                self._restore_cuda(forward_context, op)
+            else:
+                self._restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
+                self._restore_seconds[op.req_id] = time.perf_counter() - t0
+                self.stats.add("restore_seconds", self._restore_seconds[op.req_id])
             self.stats.add("restored_tokens", len(op.host_rows))
-            self.stats.add("restore_seconds", seconds)
             self.stats.add("restores", 1)
             if op.view_pass == "final":
                 self.stats.add("views", 1)
@@ -144,6 +157,44 @@ class SekvWorkerSide:
                 key = rotate_keys(key, deltas, self.rope)
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
+
+    def _restore_cuda(self, forward_context: Any, op: Any) -> None:
+        """Whole host slots go to the device in large pinned copies on a copy
+        stream (`RestorePipeline`), batch by batch; each batch is written into
+        the paged cache by the platform's own cache-update op, per layer, keys
+        re-RoPE'd on the device. Tokens of a block that the op does not restore
+        get slot -1, which the op skips. Enqueued on the current stream before
+        the forward; timed with CUDA events (read after the forward)."""
+        bt = self.config.block_tokens
+        slot_of_row = op.host_rows // bt
+        firsts = np.sort(np.unique(slot_of_row, return_index=True)[1])
+        host_slots = slot_of_row[firsts]
+        index_of_slot = {int(s): j for j, s in enumerate(host_slots)}
+        where = np.array([index_of_slot[int(s)] for s in slot_of_row], dtype=np.int64) * bt + op.host_rows % bt
+        mapping = np.full(len(host_slots) * bt, -1, dtype=np.int64)
+        mapping[where] = op.paged_slots
+        deltas = np.zeros(len(host_slots) * bt, dtype=np.int64)
+        if op.rope_deltas is not None:
+            deltas[where] = op.rope_deltas
+        rerope = op.rope_deltas is not None
+        layers = [(compat.attention_layer(forward_context, name), self.layer_of[name], kv_cache)
+                  for name, kv_cache in self.kv_caches.items()]
+        geo = self.geometry
+
+        def write(staged: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
+            for layer, idx, kv_cache in layers:
+                key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+                value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+                if rerope:
+                    key = rotate_keys(key, delta, self.rope)
+                layer.impl.write_kv(layer, key, value, kv_cache, slots)
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.pipeline.restore(self.pool.data, host_slots.tolist(), (), (), torch.from_numpy(mapping),
+                              torch.from_numpy(deltas), self.rope, write=write)
+        end.record()
+        self._restore_events.append((op.req_id, start, end))
 
     def capture_kv(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -240,6 +291,12 @@ class SekvWorkerSide:
         plan = self._plan
         if plan is None:
             return None
+        for req_id, start, end in self._restore_events:  # the forward is done: cheap to read
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000.0
+            self._restore_seconds[req_id] = seconds
+            self.stats.add("restore_seconds", seconds)
+        self._restore_events = []
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
         meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
                               self._drain_nvme(), self._scores_done)
@@ -252,7 +309,7 @@ class SekvWorkerSide:
         out = []
         for done in self.records.drain():
             if done.ok and done.kind == "read":
-                self.index.add(self.pool, done.host_slot, done.start_token)
+                self._index_pending.append((done.host_slot, done.start_token))
                 self.stats.add("nvme_read_blocks", 1)
             elif done.ok:
                 self.stats.add("nvme_written_blocks", 1)

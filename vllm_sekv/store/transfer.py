@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -190,10 +190,17 @@ class RestorePipeline:
         rope: RopeSpec,
         device_buffer: torch.Tensor | None = None,
         device_rows: Sequence[int] | None = None,
+        write: "Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None" = None,
     ) -> RestoreHandle:
         """Restore blocks `pool[host_slots[j]]` (j-th block = batch tokens
         `[j*block_tokens, (j+1)*block_tokens)`) into the caches at `slot_mapping`,
         K rotated by `delta_positions`; both are `[len(host_slots) * block_tokens]`.
+
+        `write(staged_blocks, slot_mapping, delta_positions)`, if given, replaces
+        stage 3 (e.g. the platform's own cache-update op per layer); it is called
+        per batch on the compute stream with the batch's staged blocks
+        `[m, 2, layers, block_tokens, kv_heads, head_dim]` on the device, and
+        `key_caches` / `value_caches` are then unused.
 
         Non-blocking on CUDA apart from the host gather (gather mode) and waits
         for pinned buffers still being copied; returns a handle whose event
@@ -245,8 +252,13 @@ class RestorePipeline:
                 self._h2d_done[buf] = done
             compute.wait_event(done)
             src_rows = None if rows is None else torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            ops.scatter_rerope(target if rows is not None else self._dev[buf][:b1 - b0], key_caches, value_caches,
-                               slots_dev[b0 * bt:b1 * bt], deltas_dev[b0 * bt:b1 * bt], rope, src_rows=src_rows)
+            if write is not None:
+                staged = self._dev[buf][:b1 - b0] if rows is None else target[src_rows]
+                write(staged, slots_dev[b0 * bt:b1 * bt], deltas_dev[b0 * bt:b1 * bt])
+            else:
+                ops.scatter_rerope(target if rows is not None else self._dev[buf][:b1 - b0], key_caches,
+                                   value_caches, slots_dev[b0 * bt:b1 * bt], deltas_dev[b0 * bt:b1 * bt], rope,
+                                   src_rows=src_rows)
             ev = torch.cuda.Event()
             ev.record(compute)
             self._scatter_done[buf] = ev

@@ -50,15 +50,24 @@ class BlockIndex:
 
     def add(self, pool: HostPool, slot: int, start_token: int) -> None:
         """Index the block in `slot`, whose first token sits at virtual position `start_token`."""
-        keys = pool.block_keys(slot)  # [L, T, H, D], post-RoPE
-        num_layers, num_tokens, kv_heads, head_dim = keys.shape
-        post = keys.permute(1, 0, 2, 3).reshape(num_tokens, num_layers * kv_heads, head_dim).float()
-        positions = torch.arange(start_token, start_token + num_tokens, dtype=torch.int64)
-        pre = rotate_keys(post, -positions, self.rope)
-        summary = summaries.summarize_blocks(self.kind, pre, post, None, block_tokens=num_tokens)
-        s = summary.shape[1]
-        self.entries[slot] = summary[0].reshape(s, num_layers, kv_heads, head_dim).transpose(0, 1)
-        self.valid[slot] = True
+        self.add_many(pool, [slot], [start_token])
+
+    def add_many(self, pool: HostPool, slots: list[int], start_tokens: list[int], chunk: int = 128) -> None:
+        """Index several blocks (distinct slots), `chunk` at a time: one
+        rotation and one summary per chunk."""
+        for c in range(0, len(slots), chunk):
+            idx = torch.tensor(slots[c : c + chunk], dtype=torch.int64)
+            starts = torch.tensor(start_tokens[c : c + chunk], dtype=torch.int64)
+            keys = pool.data[idx, 0]  # [n, L, T, H, D], post-RoPE
+            n, num_layers, num_tokens, kv_heads, head_dim = keys.shape
+            post = keys.permute(0, 2, 1, 3, 4).reshape(n * num_tokens, num_layers * kv_heads, head_dim).float()
+            positions = (starts[:, None] + torch.arange(num_tokens)[None, :]).reshape(-1)
+            pre = rotate_keys(post, -positions, self.rope)
+            summary = summaries.summarize_blocks(self.kind, pre, post, None, block_tokens=num_tokens)
+            s = summary.shape[1]  # [n, S, L*H, D] -> [n, L, S, H, D]
+            entries = summary.reshape(n, s, num_layers, kv_heads, head_dim).transpose(1, 2)
+            self.entries[idx] = entries.to(self.entries.dtype)
+            self.valid[idx] = True
 
     def drop(self, slot: int) -> None:
         self.valid[slot] = False

@@ -59,7 +59,8 @@ class StepPlan:
     # storing it; empty when nothing is captured.
     capture_rope_deltas: np.ndarray = field(default_factory=_empty)
     scores: list[ScoreOp] = field(default_factory=list)
-    # Committed blocks whose Mean-K entry the worker must compute now:
+    # Committed blocks to enter the views' block index (the worker indexes
+    # them in one batch before its next probe):
     # (host slot, position of the block's first token).
     index_blocks: list[tuple[int, int]] = field(default_factory=list)
     # NVMe tier, all asynchronous in the worker; completions come back in its

@@ -1,0 +1,223 @@
+"""Time to first token of a follow-up step after the GPU prefix cache was reset,
+inside real vLLM on the GPU machine (Llama-3.1-8B geometry, dummy weights, bf16).
+
+    python benchmarks/gpu/restore_e2e.py --engines plain native sekv-host sekv-disk \
+        --lengths 8192 32768 65536 131072 --out $OUT/restore_e2e
+
+For each history length L an agent step is simulated: the history (L random
+token ids) is prefilled once (max_tokens=1), vLLM's GPU prefix cache is reset,
+then the follow-up step (the same history + 64 new tokens, max_tokens=1) is
+timed; the median of `--repeats` resets is reported. Engines, each in its own
+process, one after the other, in this one invocation:
+
+* `plain`      vLLM re-prefills the whole history;
+* `native`     vLLM's own `OffloadingConnector` (CPU offload, `--native-cpu-gib`);
+* `sekv-host`  sekv restores the history from its pinned host tier;
+* `sekv-disk`  sekv restores it from its NVMe tier: the history is captured and
+               written by one engine, which then exits; a fresh engine on the same
+               folder finds every block on disk (the manifest) and reads it back.
+
+Also measured in the same run: pinned host->device copy bandwidth (1 GiB,
+median of 5), which bounds any restore from host memory. Writes OUT.json and
+OUT.md. No figure is estimated: every number is measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NEW_TOKENS = 64
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False, "initializer_range": 0.02,
+}
+
+
+def h2d_bandwidth(gib: int = 1, repeats: int = 5) -> float:
+    import torch
+
+    src = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return (gib << 30) / statistics.median(times)
+
+
+def engine_main(spec: dict) -> None:
+    """One engine in this process: prefill, reset, time the follow-ups."""
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if spec["engine"] == "native":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": spec["native_cpu_gib"] << 30}}
+    elif spec["engine"].startswith("sekv"):
+        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": spec["sekv"]}
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              max_model_len=max(spec["lengths"]) + NEW_TOKENS + 8, gpu_memory_utilization=0.85,
+              enable_prefix_caching=True, seed=0, **kwargs)
+    print(f"[{spec['engine']}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def generate(ids):
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        return time.perf_counter() - t, out
+
+    rows = []
+    for length in spec["lengths"]:
+        rng = random.Random(f"history-{length}")
+        history = [rng.randrange(1000, 120000) for _ in range(length)]
+        step = history + [rng.randrange(1000, 120000) for _ in range(NEW_TOKENS)]
+        if spec["phase"] in ("all", "capture"):
+            seconds, _ = generate(history)
+            print(f"[{spec['engine']}] {length}: history prefill {seconds:.2f} s", flush=True)
+        if spec["phase"] == "capture":
+            continue
+        times, cached, params_seen = [], [], None
+        # From disk only the first follow-up reads the disk (it leaves the blocks in host memory).
+        for _ in range(1 if spec["phase"] == "restore" else spec["repeats"]):
+            llm.reset_prefix_cache()
+            time.sleep(0.5)  # let asynchronous offload/write-behind work settle
+            seconds, out = generate(step)
+            times.append(seconds)
+            cached.append(out.num_cached_tokens)
+            params_seen = out.kv_transfer_params
+        rows.append({"engine": spec["engine"], "history_tokens": length, "ttft_s": statistics.median(times),
+                     "ttft_all_s": times, "num_cached_tokens": cached, "kv_transfer_params": params_seen})
+        print(f"[{spec['engine']}] {length}: TTFT {statistics.median(times):.3f} s (all {times}), "
+              f"cached {cached}, {params_seen}", flush=True)
+    if spec["phase"] == "capture":
+        wait_for_records(llm, generate, spec)
+    Path(spec["out"]).write_text(json.dumps(rows))
+    del llm
+
+
+def wait_for_records(llm, generate, spec: dict, timeout_s: float = 240.0) -> None:
+    """Blocks are written behind once committed, and a step's plan carries the
+    writes of blocks committed before it: run small steps until every block of
+    every history has its record on disk."""
+    expected = sum(length // 32 for length in spec["lengths"])
+    root = Path(spec["sekv"]["nvme_dir"])
+    deadline = time.monotonic() + timeout_s
+    found = 0
+    while time.monotonic() < deadline:
+        generate([7] * 40)  # a tiny step: carries pending writes, drains completions
+        found = sum(1 for _ in root.glob("fp-*/blocks/*/*.blk"))
+        if found >= expected:
+            break
+        time.sleep(1.0)
+    print(f"[{spec['engine']}] {found} of {expected} block records on disk", flush=True)
+
+
+def run_engine(spec: dict, workdir: Path) -> list[dict]:
+    path = workdir / f"{spec['engine']}-{spec['phase']}.json"
+    spec = {**spec, "out": str(path.with_suffix(".rows.json"))}
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, __file__, "--engine-spec", str(path)], timeout=spec["timeout_s"])
+    if proc.returncode != 0:
+        print(f"engine {spec['engine']} ({spec['phase']}) failed with {proc.returncode}", flush=True)
+        return []
+    return json.loads(Path(spec["out"]).read_text()) if spec["phase"] != "capture" else []
+
+
+def report(rows: list[dict], bandwidth: float, args: argparse.Namespace, out: Path) -> None:
+    by = {(r["engine"], r["history_tokens"]): r for r in rows}
+    kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
+    lines = [
+        "# GPU end to end: restore vs re-prefill vs vLLM's native offloading",
+        "",
+        f"Command: `python benchmarks/gpu/restore_e2e.py {' '.join(sys.argv[1:])}`  ",
+        f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, eager; "
+        f"{NEW_TOKENS} new tokens per step; median of {args.repeats} cache resets; one run, one machine.",
+        f"Pinned host->device bandwidth measured in the same run: {bandwidth / 1e9:.1f} GB/s.",
+        "",
+        "| history | plain re-prefill | native offload | sekv host | sekv disk | host->device bound | "
+        "sekv host vs native | sekv host vs plain | sekv host / bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for length in args.lengths:
+        def t(engine):
+            r = by.get((engine, length))
+            return None if r is None else r["ttft_s"]
+        bound = length * kv_bytes_per_token / bandwidth
+        cells = [f"{length // 1024}K"]
+        for engine in ("plain", "native", "sekv-host", "sekv-disk"):
+            cells.append("—" if t(engine) is None else f"{t(engine):.3f} s")
+        cells.append(f"{bound:.3f} s")
+        host = t("sekv-host")
+        cells.append("—" if host is None or t("native") is None else f"{t('native') / host:.2f}x")
+        cells.append("—" if host is None or t("plain") is None else f"{t('plain') / host:.1f}x")
+        cells.append("—" if host is None else f"{bound / host:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Per engine and length: every repeat's time and vLLM's `num_cached_tokens` are in the JSON."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"h2d_bytes_per_s": bandwidth, "rows": rows,
+                                                    "argv": sys.argv[1:]}, indent=1))
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine-spec", help=argparse.SUPPRESS)
+    ap.add_argument("--engines", nargs="+", default=["plain", "native", "sekv-host", "sekv-disk"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--native-cpu-gib", type=int, default=60)
+    ap.add_argument("--host-bytes", default="48G")
+    ap.add_argument("--nvme-dir", default="/tmp/sekv_nvme")
+    ap.add_argument("--timeout-s", type=int, default=480)
+    ap.add_argument("--out", default="benchmarks/results/gpu/restore_e2e")
+    args = ap.parse_args()
+    if args.engine_spec:
+        engine_main(json.loads(Path(args.engine_spec).read_text()))
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="restore_e2e_"))
+    model_dir = workdir / "llama31-8b"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
+    bandwidth = h2d_bandwidth()
+    print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    base = {"model_dir": str(model_dir), "lengths": args.lengths, "repeats": args.repeats,
+            "native_cpu_gib": args.native_cpu_gib, "timeout_s": args.timeout_s, "phase": "all"}
+    rows: list[dict] = []
+    for engine in args.engines:
+        if engine == "sekv-disk":
+            sekv = {"host_bytes": args.host_bytes, "nvme_dir": args.nvme_dir}
+            run_engine({**base, "engine": engine, "sekv": sekv, "phase": "capture"}, workdir)
+            rows += run_engine({**base, "engine": engine, "sekv": sekv, "phase": "restore"}, workdir)
+        else:
+            sekv = {"host_bytes": args.host_bytes}
+            rows += run_engine({**base, "engine": engine, "sekv": sekv}, workdir)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report(rows, bandwidth, args, out)
+
+
+if __name__ == "__main__":
+    main()

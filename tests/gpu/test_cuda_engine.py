@@ -1,0 +1,80 @@
+"""The plugin inside real vLLM on CUDA (run on the GPU machine by
+benchmarks/gpu/run_e2e.sh; skipped without CUDA).
+
+The same 3-step agent session as tests/engine/test_restore_offline.py, on
+SmolLM2 in bf16, vLLM's GPU prefix cache reset before every step. The CUDA
+path is the one users get: pinned host pool, restores through the batched
+copy-stream pipeline and the FlashAttention backend's own cache-update op,
+captures by the attention hook. Workspace blocks of 16 tokens match vLLM's
+16-token pages on CUDA, so sekv restores exactly the tokens vLLM's own prefix
+cache would hold and the computed remainder is the same.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.engine,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+RUNNER = Path(__file__).resolve().parents[1] / "engine" / "session_runner.py"
+BLOCK_TOKENS = 16
+SEKV = {"host_bytes": "2G", "block_tokens": BLOCK_TOKENS}
+
+
+def run_session(tmp_path, model_dir, essay, sekv, reset):
+    turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
+    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24,
+            "salt": "tenant-a", "other_salt": "tenant-b", "dtype": "bfloat16", "reset": reset}
+    name = f"{'sekv' if sekv is not None else 'plain'}-{'reset' if reset else 'warm'}"
+    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_dir, essay):
+    tmp = tmp_path_factory.mktemp("cuda_sessions")
+    warm = run_session(tmp, model_dir, essay, None, reset=False)
+    cold = run_session(tmp, model_dir, essay, None, reset=True)
+    sekv = run_session(tmp, model_dir, essay, SEKV, reset=True)
+    return warm, cold, sekv
+
+
+def test_greedy_outputs_equal_plain_vllm_with_its_prefix_cache(runs):
+    warm, _, sekv = runs
+    assert warm["steps"][2]["num_cached_tokens"] > 0  # vLLM's own cache served the history
+    for w, s in zip(warm["steps"], sekv["steps"]):
+        assert s["prompt_token_ids"] == w["prompt_token_ids"]
+        assert s["output_token_ids"] == w["output_token_ids"]
+        assert s["num_cached_tokens"] == w["num_cached_tokens"]
+
+
+def test_plain_vllm_recomputes_everything_after_a_gpu_cache_reset(runs):
+    _, cold, _ = runs
+    assert all(step["num_cached_tokens"] == 0 for step in cold["steps"])
+
+
+def test_restore_after_a_gpu_cache_reset_computes_only_new_tokens(runs):
+    _, _, sekv = runs
+    steps = sekv["steps"]
+    for prev, step in zip(steps, steps[1:]):
+        computed_before = len(prev["prompt_token_ids"]) + len(prev["output_token_ids"]) - 1
+        restorable = computed_before // BLOCK_TOKENS * BLOCK_TOKENS
+        assert step["num_cached_tokens"] == restorable
+        params = step["kv_transfer_params"]["sekv"]
+        assert params["restored_tokens"]["host"] == restorable
+        assert params["prefilled_tokens"] == len(step["prompt_token_ids"]) - restorable
+        assert params["restore_ms"] > 0
+
+
+def test_tenants_with_different_salts_never_share_blocks(runs):
+    _, _, sekv = runs
+    assert sekv["probe"]["other_salt"]["num_cached_tokens"] == 0
+    assert sekv["probe"]["same_salt"]["num_cached_tokens"] > 0
