@@ -281,6 +281,7 @@ def main(args) -> None:
                 else:
                     row = plain_trial(pclient, pmodel, servers[1].url, task, b, args, tok)
                 row["finished"] = time.strftime("%H:%M:%S", time.gmtime())
+                row["loadavg_1m"] = round(os.getloadavg()[0], 2)
                 rows = [r for r in rows if _key(r) != _key(row)] + [row]
                 meta["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 save(out, meta, rows)
