@@ -146,22 +146,31 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
     return json.loads(Path(spec["out"]).read_text()) if spec["phase"] != "capture" else []
 
 
-def report(rows: list[dict], bandwidth: float, args: argparse.Namespace, out: Path) -> None:
+def report(rows: list[dict], bandwidth: float, args: argparse.Namespace, out: Path,
+           commands: list[str] | None = None) -> None:
     by = {(r["engine"], r["history_tokens"]): r for r in rows}
     kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
+    commands = commands or [f"python benchmarks/gpu/restore_e2e.py {' '.join(sys.argv[1:])}"]
+    lengths = sorted({r["history_tokens"] for r in rows}) or args.lengths
     lines = [
         "# GPU end to end: restore vs re-prefill vs vLLM's native offloading",
         "",
-        f"Command: `python benchmarks/gpu/restore_e2e.py {' '.join(sys.argv[1:])}`  ",
+        "Command(s):",
+        "",
+        *[f"    {c}" for c in commands],
+        "",
         f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, eager; "
-        f"{NEW_TOKENS} new tokens per step; median of {args.repeats} cache resets; one run, one machine.",
-        f"Pinned host->device bandwidth measured in the same run: {bandwidth / 1e9:.1f} GB/s.",
+        f"{NEW_TOKENS} new tokens per step; time to first token of the follow-up step after vLLM's GPU "
+        f"prefix cache was reset, median over resets (sekv disk: the first follow-up only).",
+        f"Pinned host->device bandwidth measured in the same run(s): {bandwidth / 1e9:.1f} GB/s; the bound "
+        "is the history's KV bytes at that bandwidth. `sekv restore` is the restore alone (CUDA events "
+        "around the copy-stream pipeline and the cache writes, from the response's `restore_ms`).",
         "",
         "| history | plain re-prefill | native offload | sekv host | sekv disk | host->device bound | "
-        "sekv host vs native | sekv host vs plain | sekv host / bound |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "sekv restore | restore / bound | sekv host vs native | sekv host vs plain | bound / sekv host TTFT |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for length in args.lengths:
+    for length in lengths:
         def t(engine):
             r = by.get((engine, length))
             return None if r is None else r["ttft_s"]
@@ -170,6 +179,10 @@ def report(rows: list[dict], bandwidth: float, args: argparse.Namespace, out: Pa
         for engine in ("plain", "native", "sekv-host", "sekv-disk"):
             cells.append("—" if t(engine) is None else f"{t(engine):.3f} s")
         cells.append(f"{bound:.3f} s")
+        host_row = by.get(("sekv-host", length))
+        restore_ms = ((host_row or {}).get("kv_transfer_params") or {}).get("sekv", {}).get("restore_ms")
+        cells.append("—" if restore_ms is None else f"{restore_ms / 1000:.3f} s")
+        cells.append("—" if restore_ms is None else f"{bound / (restore_ms / 1000):.2f}")
         host = t("sekv-host")
         cells.append("—" if host is None or t("native") is None else f"{t('native') / host:.2f}x")
         cells.append("—" if host is None or t("plain") is None else f"{t('plain') / host:.1f}x")
@@ -178,7 +191,7 @@ def report(rows: list[dict], bandwidth: float, args: argparse.Namespace, out: Pa
     lines += ["", "Per engine and length: every repeat's time and vLLM's `num_cached_tokens` are in the JSON."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"h2d_bytes_per_s": bandwidth, "rows": rows,
-                                                    "argv": sys.argv[1:]}, indent=1))
+                                                    "commands": commands}, indent=1))
     print("\n".join(lines), flush=True)
 
 
@@ -193,7 +206,16 @@ def main() -> None:
     ap.add_argument("--nvme-dir", default="/tmp/sekv_nvme")
     ap.add_argument("--timeout-s", type=int, default=480)
     ap.add_argument("--out", default="benchmarks/results/gpu/restore_e2e")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="only write the report from these runs' JSON outputs (e.g. engines run apart)")
     args = ap.parse_args()
+    if args.merge:
+        runs = [json.loads(Path(p).read_text()) for p in args.merge]
+        rows = [r for run in runs for r in run["rows"]]
+        commands = [c for run in runs for c in run.get("commands", [])]
+        bandwidth = min(run["h2d_bytes_per_s"] for run in runs)
+        report(rows, bandwidth, args, Path(args.out), commands)
+        return
     if args.engine_spec:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
         return

@@ -167,10 +167,12 @@ class SekvWorkerSide:
         the forward; timed with CUDA events (read after the forward)."""
         bt = self.config.block_tokens
         slot_of_row = op.host_rows // bt
-        firsts = np.sort(np.unique(slot_of_row, return_index=True)[1])
-        host_slots = slot_of_row[firsts]
-        index_of_slot = {int(s): j for j, s in enumerate(host_slots)}
-        where = np.array([index_of_slot[int(s)] for s in slot_of_row], dtype=np.int64) * bt + op.host_rows % bt
+        uniq, firsts, inverse = np.unique(slot_of_row, return_index=True, return_inverse=True)
+        order = np.argsort(firsts, kind="stable")  # blocks in the op's order
+        host_slots = uniq[order]
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        where = rank[inverse] * bt + op.host_rows % bt
         mapping = np.full(len(host_slots) * bt, -1, dtype=np.int64)
         mapping[where] = op.paged_slots
         deltas = np.zeros(len(host_slots) * bt, dtype=np.int64)
