@@ -2,7 +2,7 @@
 
 Selected by the sekv connector flag alone (`compat.install_scheduler_default`).
 Everything view-specific is decided by the connector's `ViewCoordinator`;
-this class only places the four calls vLLM's scheduler offers no hook for:
+this class only places the three calls vLLM's scheduler offers no hook for:
 
 * `add_request`: a prompt longer than its view budget becomes a view job
   (and every request's generation stays inside the model's window);

@@ -221,18 +221,15 @@ class WorkspacePlanner:
         """Host rows and re-RoPE deltas (view - virtual) restoring view `positions`."""
         bt = self.block_tokens
         view_blocks = positions // bt
-        if st.view is None:
+        if st.view is None:  # same positions: block i of the match restores block first + i
             index = view_blocks - st.match_first_block
-            records = st.matched
             deltas = np.zeros(len(positions), dtype=np.int64)
-        else:
-            virtual = np.asarray(st.view.history_blocks, dtype=np.int64)[view_blocks]
-            index = virtual
-            records = st.matched
-            deltas = (view_blocks - virtual) * bt
-        if len(index) and (index.min() < 0 or index.max() >= len(records)):
+        else:  # st.matched starts at block 0: indexed by virtual block
+            index = np.asarray(st.view.history_blocks, dtype=np.int64)[view_blocks]
+            deltas = (view_blocks - index) * bt
+        if len(index) and (index.min() < 0 or index.max() >= len(st.matched)):
             raise ValueError(f"request {st.req_id}: restore beyond the matched blocks")
-        slots = np.array([rec.host_slot for rec in records], dtype=np.int64)[index]
+        slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)[index]
         return slots * bt + positions % bt, deltas
 
     # ------------------------------------------------------- per-step planning
