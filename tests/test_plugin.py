@@ -28,3 +28,44 @@ def test_the_hook_wraps_the_platform_backend_without_copying_it():
     # attention computation itself is the platform's.
     own = {name for name, value in vars(impl).items() if callable(value) and not name.startswith("_")}
     assert own == {"do_kv_cache_update", "forward", "write_kv"}
+
+
+def _engine_config(model_dir, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    return EngineArgs(model=model_dir, max_model_len=2048, **kwargs).create_engine_config()
+
+
+SEKV_FLAG = {"kv_connector": "sekv", "kv_role": "kv_both"}
+
+
+def test_the_connector_flag_alone_selects_the_sekv_scheduler(model_dir):
+    from vllm_sekv.compat import SCHEDULER_CLS
+
+    config = _engine_config(model_dir, kv_transfer_config=SEKV_FLAG)
+    assert config.scheduler_config.scheduler_cls == SCHEDULER_CLS
+    assert not config.scheduler_config.async_scheduling
+    plain = _engine_config(model_dir)
+    assert plain.scheduler_config.scheduler_cls != SCHEDULER_CLS
+
+
+def test_an_explicit_scheduler_is_left_alone_and_async_is_refused_by_name(model_dir):
+    import pytest
+
+    other = "vllm.v1.core.sched.scheduler.Scheduler"
+    config = _engine_config(model_dir, kv_transfer_config=SEKV_FLAG, scheduler_cls=other)
+    assert config.scheduler_config.scheduler_cls == other
+    with pytest.raises(Exception, match="async-scheduling"):
+        _engine_config(model_dir, kv_transfer_config=SEKV_FLAG, async_scheduling=True)
+
+
+def test_the_scheduler_caps_a_pass_through_vllms_own_prefill_hook():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_sekv.scheduler import SekvScheduler
+
+    # vLLM 0.32 calls `_reserve_prefill_lookahead` for every prefill chunk; the
+    # sekv scheduler reaches its view cap through it.
+    assert hasattr(Scheduler, "_reserve_prefill_lookahead")
+    assert "_reserve_prefill_lookahead" in vars(SekvScheduler.__mro__[1])
