@@ -365,6 +365,12 @@ def clamp_max_tokens(request: Any, most: int) -> None:
     request.max_tokens = max(1, min(int(request.max_tokens), int(most)))
 
 
+def is_known_request(scheduler: Any, request: Any) -> bool:
+    """Whether the scheduler already holds a request of this id (a streaming
+    session's next input arrives as a request with the same id)."""
+    return request.request_id in scheduler.requests
+
+
 def restart_request(scheduler: Any, request: Any) -> None:
     """Take a running request out of the engine as if it had finished — its
     KV blocks freed, the workers drop its state — and queue it again,

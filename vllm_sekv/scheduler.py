@@ -30,7 +30,7 @@ class SekvScheduler(compat.prefill_cap_mixin(), Scheduler):
             self._sekv_enable_cap()
 
     def add_request(self, request: Any) -> None:
-        if self._views is not None and request.request_id not in self.requests:
+        if self._views is not None and not compat.is_known_request(self, request):
             self._views.admit(request)
         super().add_request(request)
 
