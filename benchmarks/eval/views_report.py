@@ -204,6 +204,17 @@ def write(out: Path, data: dict, base: dict, base_path: str) -> None:
                   f"{cnt(lambda r: r['correct'] and r['needle_selected'])}, correct without it "
                   f"{cnt(lambda r: r['correct'] and not r['needle_selected'])}, wrong with it "
                   f"{cnt(lambda r: not r['correct'] and r['needle_selected'])}."]
+        mk = [r for r in views if r["task"] == "multikey" and not r["correct"]]
+        if mk:
+            from transformers import AutoTokenizer
+            from vllm_sekv.models import prepare_model
+            tok = AutoTokenizer.from_pretrained(str(prepare_model(quiet=True)))
+            n_dis = 0
+            for r in mk:
+                t = tasklib.generate("multikey", r["target_tokens"], r["seed"], tok)
+                n_dis += any(tasklib.is_correct(v, r["response"]) for v in t.meta["distractors"].values())
+            L += [f"* multikey, wrong answers of the measured steps (all budgets): {n_dis} of {len(mk)} are the "
+                  "number of one of the three distractor keys (the baselines' note: 13 of 13 with full context)."]
         dis = [r for r in views if not r["repeat_agrees"]]
         L += [f"* Measured vs repeated answer: {len(views) - len(dis)} of {len(views)} identical."]
         for r in dis:
