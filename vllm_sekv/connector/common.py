@@ -52,7 +52,7 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
             restore_seconds=seconds,
             nvme_completions=self.nvme_completions + other.nvme_completions,
             scores={
-                req_id: np.concatenate([m[req_id] for m in (self, other) if req_id in m.scores])
+                req_id: np.concatenate([m.scores[req_id] for m in (self, other) if req_id in m.scores])
                 for req_id in self.scores.keys() | other.scores.keys()
             },
         )
