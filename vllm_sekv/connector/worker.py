@@ -2,10 +2,12 @@
 restores KV into vLLM's paged cache and captures new K/V out of the forward.
 
 Runs in each worker process, on the forward thread, in this order per step:
-  `start_load_kv`  index newly committed blocks; restore planned rows through
-                   the platform's own cache-update op, keys re-RoPE'd to the
-                   view's positions where the plan says so (blocking; before
-                   the forward, as vLLM calls it for synchronous loads);
+  `start_load_kv`  before a probe, index the blocks committed since the last
+                   one (in one batch); restore planned rows through the
+                   platform's own cache-update op, keys re-RoPE'd to the view's
+                   positions where the plan says so (before the forward, as
+                   vLLM calls it for synchronous loads; on CUDA enqueued on
+                   the copy and compute streams, on CPU blocking);
   `capture_kv`     called by the attention hook once per layer, right after
                    the platform wrote that layer's K/V: copies the planned
                    rows into the host pool, keys rotated to their virtual
@@ -36,8 +38,8 @@ from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
-from vllm_sekv.store import HostPool
 from vllm_sekv.ops import rotate_keys
+from vllm_sekv.store import HostPool
 from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
