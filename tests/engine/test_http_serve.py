@@ -5,6 +5,9 @@ The sekv server is started with the one flag users pass,
 host budget from the environment (`SEKV_HOST_BYTES`). A 3-step chat session
 with a `session_id`, vLLM's prefix cache reset before each step, must give the
 greedy answers of a plain server and restore the history at steps 2 and 3.
+The sekv server runs its scheduler hook (execution views) as every sekv
+server does; a view budget at least as large as the history (here asked for
+per request) serves the whole history, exactly.
 """
 import json
 import urllib.error
@@ -49,7 +52,7 @@ def chat_session(url, model, essay, extra=None):
 @pytest.fixture(scope="module")
 def sessions(model_dir, essay):
     with LocalServer(model_dir, sekv={}, vllm_args=VLLM_ARGS, env=ENV) as server:
-        sekv = chat_session(server.url, model_dir, essay)
+        sekv = chat_session(server.url, model_dir, essay, {"kv_transfer_params": {"view_tokens": 8192}})
         # A malformed request is refused with a clear error and loses nothing stored.
         try:
             post(server.url, "/v1/chat/completions",
