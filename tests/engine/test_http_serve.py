@@ -73,6 +73,7 @@ def test_answers_equal_plain_vllm(sessions):
     for p, s in zip(plain, sekv):
         assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
         assert s["usage"]["prompt_tokens"] == p["usage"]["prompt_tokens"]
+        assert "view" not in s["kv_transfer_params"]["sekv"]  # the whole history, no selection
 
 
 def test_history_is_restored_not_prefilled(sessions):
