@@ -83,10 +83,11 @@ def index_variants(q, index, cfg, scores_bf16, repeats) -> dict:
     return res
 
 
-def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: bool) -> dict:
+def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: bool,
+        query_tokens: int = QUERY_TOKENS) -> dict:
     mm = matmul_tflops()
-    out = {"geometry": geo.as_dict(), "query_tokens": QUERY_TOKENS, "matmul_bf16_TFLOPs": mm, "sizes": []}
-    q = torch.randn(geo.num_layers, geo.q_heads, QUERY_TOKENS, geo.head_dim, device="cuda").to(geo.dtype)
+    out = {"geometry": geo.as_dict(), "query_tokens": query_tokens, "matmul_bf16_TFLOPs": mm, "sizes": []}
+    q = torch.randn(geo.num_layers, geo.q_heads, query_tokens, geo.head_dim, device="cuda").to(geo.dtype)
     cfg_name, cfg = "m128n64-w8s3/m64n128-w8s3", CONFIGS["m128n64-w8s3/m64n128-w8s3"]
     if sweep:
         blocks = 1048576 // geo.block_tokens
@@ -125,7 +126,7 @@ def run(geo: KvGeometry, workspaces, ref_max_tokens: int, repeats: int, sweep: b
             index[r:r + 65536].normal_()
         index_bytes = torch.cuda.memory_allocated() - base_alloc
         entry = {"workspace_tokens": tokens, "blocks": blocks, "index_bytes": index_bytes,
-                 "flops": scoring_flops(geo, QUERY_TOKENS, blocks)}
+                 "flops": scoring_flops(geo, query_tokens, blocks)}
         for combine in ("max", "mean"):
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -189,8 +190,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=WORKSPACES)
     ap.add_argument("--ref-max-tokens", type=int, default=10_000_000)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--query-tokens", type=int, default=QUERY_TOKENS,
+                    help="new tokens whose queries score (the issue's 512; sekv serves with 64)")
     args = ap.parse_args()
-    res = run(LLAMA3_8B, args.tokens, args.ref_max_tokens, args.repeats, not args.no_sweep)
+    res = run(LLAMA3_8B, args.tokens, args.ref_max_tokens, args.repeats, not args.no_sweep, args.query_tokens)
     res["machine"] = machine_facts()
     write_json(args.out, res)
 
