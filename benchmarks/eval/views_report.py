@@ -154,7 +154,8 @@ def write(out: Path, data: dict, base: dict, base_path: str) -> None:
               "| task(s) | history tokens | sekv-views-4096 | sliding-4096 (baselines) | in-window full (baselines) "
               "| views / full | ≥ 80% |", "|---|---|---|---|---|---|---|"]
         for n in beyond:
-            groups = [[t] for t in tasks_run] + ([tasks_run] if len(tasks_run) > 1 else [])
+            here = [t for t in tasks_run if mine(t, n, "sekv-views-4096")]
+            groups = [[t] for t in here] + ([here] if len(here) > 1 else [])
             for g in groups:
                 rs = [r for t in g for r in mine(t, n, "sekv-views-4096")]
                 if not rs or any(not mine(t, n, "sekv-views-4096") for t in g):

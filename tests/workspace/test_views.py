@@ -116,3 +116,14 @@ def test_planner_restores_a_view_with_rerope_and_saves_at_virtual_positions():
     eng.planner.finish("v", eng.tokens["v"], 208)
     eng.run({})
     assert eng.planner.match_history("w", eng.tokens["v"] + [7], "", None) == 26
+
+
+def test_a_history_the_workspace_cannot_hold_is_served_from_its_end():
+    from vllm_sekv.workspace.views import truncated_pass
+
+    p = truncated_pass(num_prompt_tokens=1003, matched_blocks=5, budget=BUDGET)
+    assert p.kind is PassKind.FINAL and p.history_blocks == (0,)
+    assert p.tail_start % 8 == 0 and p.num_tokens <= BUDGET.view_tokens
+    assert p.tail_start + p.tail_tokens == 1003 and p.tail_offset == p.tail_start - 8
+    none = truncated_pass(num_prompt_tokens=1003, matched_blocks=0, budget=BUDGET)
+    assert none.history_blocks == () and none.num_tokens <= BUDGET.view_tokens

@@ -28,7 +28,9 @@ from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.summaries import combine_heads
-from vllm_sekv.workspace.views import PassKind, ViewBudget, ViewPass, final_pass, first_pass
+from vllm_sekv.workspace.views import (
+    PassKind, ViewBudget, ViewPass, final_pass, first_pass, truncated_pass,
+)
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -45,6 +47,8 @@ class ViewJob:
     scores: np.ndarray | None = None  # combined relevance of probe.candidates
     num_passes: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0  # prompt tokens computed, over all passes
+    ingested_to: int = 0  # virtual end of the last ingest pass
+    truncated: bool = False  # the workspace could not hold the history (see `next_pass`)
 
     def virtual_tokens(self, request: Any) -> list[int]:
         return self.prompt + list(request.output_token_ids)
@@ -125,7 +129,20 @@ class ViewCoordinator:
                                                      job.session_id)
                 if matched is None:
                     return None
-                view = first_pass(len(job.prompt), matched, job.budget)
+                if matched * job.budget.block_tokens < job.ingested_to:
+                    # What the last ingest computed is not held any more (the
+                    # tier is too small for this history): ingesting again would
+                    # never end. Serve the prompt's end instead, and say so.
+                    job.truncated = True
+                    logger.warning(
+                        "sekv: the workspace cannot hold the %d-token history of %s (host_bytes too "
+                        "small); this step is served from its last tokens only", len(job.prompt),
+                        job.req_id)
+                    view = truncated_pass(len(job.prompt), matched, job.budget)
+                else:
+                    view = first_pass(len(job.prompt), matched, job.budget)
+            if view.kind is PassKind.INGEST:
+                job.ingested_to = view.tail_start + view.tail_tokens
             job.current = view
             job.num_passes[view.kind.value] = job.num_passes.get(view.kind.value, 0) + 1
             job.prefilled_tokens += view.tail_tokens
@@ -202,6 +219,8 @@ class ViewCoordinator:
             "prompt_tokens": len(job.prompt),
             "prefilled_tokens": job.prefilled_tokens,
         }
+        if job.truncated:
+            out["truncated"] = True
         if view is not None and view.samples:
             out["view_tokens"] = view.num_tokens
             out["block_tokens"] = view.block_tokens

@@ -143,6 +143,17 @@ def first_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudget) 
     return ViewPass(PassKind.PROBE, bt, tuple(sink + recent), history * bt, tail, candidates)
 
 
+def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudget) -> ViewPass:
+    """The fallback when the workspace cannot hold the history (it did not
+    keep what was ingested): the sink blocks it holds + the prompt's last
+    tokens that fit the budget, computed as the tail. Lossy, but it serves."""
+    bt = budget.block_tokens
+    sink = list(range(min(budget.sink_tokens // bt, matched_blocks, (num_prompt_tokens - 1) // bt)))
+    room = budget.view_tokens - len(sink) * bt
+    tail_start = max(len(sink) * bt, -(-(num_prompt_tokens - room) // bt) * bt)
+    return ViewPass(PassKind.FINAL, bt, tuple(sink), tail_start, num_prompt_tokens - tail_start)
+
+
 def final_pass(
     probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0
 ) -> ViewPass:
