@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks as tasklib  # noqa: E402
+import views_eval  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 VIEWS_COUNTER = "vllm:sekv_views_total"
@@ -263,12 +264,7 @@ def plot(path: Path, cells: list[dict]) -> str | None:
             pts = sorted((c["target_tokens"], c["accuracy"]) for c in cells if c["task"] == task and c["method"] == meth)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=meth)
-        ax.axvline(8192, color="grey", linestyle=":", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_title(task)
-        ax.set_xlabel("history tokens (SmolLM2)")
-        ax.set_ylim(-0.05, 1.05)
-        ax.grid(alpha=0.3)
+        views_eval.style_accuracy_axis(ax, task)
     axes[0][0].set_ylabel("accuracy")
     axes[0][-1].legend(fontsize=8)
     fig.suptitle("Accuracy vs history length (dotted: native window 8192)")

@@ -21,6 +21,16 @@ from pathlib import Path
 
 import tasks as tasklib
 
+
+def style_accuracy_axis(ax, task: str) -> None:
+    """One task's accuracy-vs-length panel: log2 x, the native window dotted."""
+    ax.axvline(8192, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_title(task)
+    ax.set_xlabel("history tokens (SmolLM2)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+
 BLOCK = 32
 
 
@@ -260,12 +270,7 @@ def plot_views(path: Path, cells: list[dict], base: list[dict]) -> str | None:
                 lab = meth + (" (baselines)" if src is base else "")
                 ax.plot([p[0] * shift[meth] for p in pts], [p[1] for p in pts], color=col, marker=mk,
                         linestyle=ls, label=lab, alpha=0.85)
-        ax.axvline(8192, color="grey", linestyle=":", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_title(task)
-        ax.set_xlabel("history tokens (SmolLM2)")
-        ax.set_ylim(-0.05, 1.05)
-        ax.grid(alpha=0.3)
+        style_accuracy_axis(ax, task)
     axes[0][0].set_ylabel("accuracy (5 seeds)")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Accuracy vs history length (dotted: native window 8192; markers offset slightly in x)")
