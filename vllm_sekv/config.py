@@ -59,6 +59,7 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 POLICIES = ("slru", "lru")
+RESTORE_MODES = ("auto", "layerwise", "batched")
 # Block summaries the views' index can use without per-token surprisal
 # (`vllm_sekv.workspace.summaries`); the surprisal-weighted kinds come with
 # SeKV segments.
@@ -86,6 +87,13 @@ class SekvConfig:
     protected_percent: int = 80
     # Shortest restore worth doing, in tokens; shorter matches are prefilled.
     min_restore_tokens: int = 32
+    # How restores reach the GPU (CUDA only). "layerwise": each layer of all
+    # of a step's blocks moves as its own copies, so the forward pass runs
+    # while later layers are still in flight; "batched": whole blocks (every
+    # layer) in large copies, batch by batch, before the forward; "auto":
+    # layerwise when the blocks lie in long runs of consecutive host slots (a
+    # restored history), batched when they are scattered (a view's selection).
+    restore_mode: str = "auto"
     # Folder of the NVMe tier ("" = no NVMe tier). Workspaces written there
     # survive a restart; one server per folder (it is locked).
     nvme_dir: str = ""
@@ -117,7 +125,7 @@ class SekvConfig:
 
     _SIZES = ("host_bytes", "nvme_bytes")
     _STRINGS = ("nvme_dir", "index_combine")
-    _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES}
+    _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens

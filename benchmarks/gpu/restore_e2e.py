@@ -1,7 +1,7 @@
 """Time to first token of a follow-up step after the GPU prefix cache was reset,
 inside real vLLM on the GPU machine (Llama-3.1-8B geometry, dummy weights, bf16).
 
-    python benchmarks/gpu/restore_e2e.py --engines plain native sekv-host sekv-disk \
+    python benchmarks/gpu/restore_e2e.py --engines plain native warm sekv-host sekv-batched sekv-disk \
         --lengths 8192 32768 65536 131072 --out $OUT/restore_e2e
 
 For each history length L an agent step is simulated: the history (L random
@@ -12,14 +12,24 @@ process, one after the other, in this one invocation:
 
 * `plain`      vLLM re-prefills the whole history;
 * `native`     vLLM's own `OffloadingConnector` (CPU offload, `--native-cpu-gib`);
-* `sekv-host`  sekv restores the history from its pinned host tier;
+* `sekv-host`  sekv restores the history from its pinned host tier
+               (`restore_mode` auto: layer by layer, behind the forward pass);
+* `sekv-batched` the same with `restore_mode` batched (every layer of a batch
+               of blocks at once, all before the forward pass);
 * `sekv-disk`  sekv restores it from its NVMe tier: the history is captured and
                written by one engine, which then exits; a fresh engine on the same
-               folder finds every block on disk (the manifest) and reads it back.
+               folder finds every block on disk (the manifest) and reads it back;
+* `warm`       plain vLLM with its prefix cache NOT reset: the history is still
+               in GPU memory, so the step pays only vLLM's own per-request work
+               and the forward pass. No restore can beat it; a restore's TTFT
+               minus this is what the restore costs.
 
+Each repeat's new tokens are fresh (so `warm` never hits its own earlier step).
 Also measured in the same run: pinned host->device copy bandwidth (1 GiB,
-median of 5), which bounds any restore from host memory. Writes OUT.json and
-OUT.md. No figure is estimated: every number is measured here.
+median of 5), which bounds any restore from host memory, and the bandwidth of
+the pitched copies a layerwise restore makes (one layer of 256 consecutive
+4 MiB slots per K/V copy). Writes OUT.json and OUT.md. No figure is estimated:
+every number is measured here.
 """
 from __future__ import annotations
 
@@ -62,6 +72,33 @@ def h2d_bandwidth(gib: int = 1, repeats: int = 5) -> float:
     return (gib << 30) / statistics.median(times)
 
 
+def pitched_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s of the layerwise restore's copies: a pinned pool of 256 slots of
+    Llama-3.1-8B geometry (32-token blocks, 4 MiB each), copied layer by layer,
+    K and V apart, each as one pitched copy of 256 rows of 64 KiB."""
+    import torch
+
+    from vllm_sekv.store import cudart
+
+    pool = torch.empty((256, 2, 32, 32, 8, 128), dtype=torch.bfloat16, pin_memory=True)
+    dst = torch.empty((32, 2, 256, 32, 8, 128), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    chunk, slot = pool[0, 0, 0].numel() * 2, pool[0].numel() * 2
+
+    def once() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in range(32):
+            for kv in (0, 1):
+                cudart.copy2d_async(dst[layer, kv].data_ptr(), chunk, pool[0, kv, layer].data_ptr(), slot,
+                                    chunk, 256, stream)
+        stream.synchronize()
+        return time.perf_counter() - t0
+
+    once()
+    return pool.numel() * 2 / statistics.median(once() for _ in range(repeats))
+
+
 def engine_main(spec: dict) -> None:
     """One engine in this process: prefill, reset, time the follow-ups."""
     import random
@@ -93,7 +130,6 @@ def engine_main(spec: dict) -> None:
     for length in spec["lengths"]:
         rng = random.Random(f"history-{length}")
         history = [rng.randrange(1000, 120000) for _ in range(length)]
-        step = history + [rng.randrange(1000, 120000) for _ in range(NEW_TOKENS)]
         if spec["phase"] in ("all", "capture"):
             seconds, _ = generate(history)
             print(f"[{spec['engine']}] {length}: history prefill {seconds:.2f} s", flush=True)
@@ -102,7 +138,9 @@ def engine_main(spec: dict) -> None:
         times, cached, params_seen = [], [], None
         # From disk only the first follow-up reads the disk (it leaves the blocks in host memory).
         for _ in range(1 if spec["phase"] == "restore" else spec["repeats"]):
-            llm.reset_prefix_cache()
+            step = history + [rng.randrange(1000, 120000) for _ in range(NEW_TOKENS)]
+            if spec["engine"] != "warm":
+                llm.reset_prefix_cache()
             time.sleep(0.5)  # let asynchronous offload/write-behind work settle
             seconds, out = generate(step)
             times.append(seconds)
@@ -146,7 +184,7 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
     return json.loads(Path(spec["out"]).read_text()) if spec["phase"] != "capture" else []
 
 
-def report(rows: list[dict], bandwidth: float, args: argparse.Namespace, out: Path,
+def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argparse.Namespace, out: Path,
            commands: list[str] | None = None) -> None:
     by = {(r["engine"], r["history_tokens"]): r for r in rows}
     kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
@@ -161,37 +199,46 @@ def report(rows: list[dict], bandwidth: float, args: argparse.Namespace, out: Pa
         "",
         f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, eager; "
         f"{NEW_TOKENS} new tokens per step; time to first token of the follow-up step after vLLM's GPU "
-        f"prefix cache was reset, median over resets (sekv disk: the first follow-up only).",
-        f"Pinned host->device bandwidth measured in the same run(s): {bandwidth / 1e9:.1f} GB/s; the bound "
-        "is the history's KV bytes at that bandwidth. `sekv restore` is the restore alone (CUDA events "
-        "around the copy-stream pipeline and the cache writes, from the response's `restore_ms`).",
+        f"prefix cache was reset, median over resets (sekv disk: the first follow-up only; `warm`: "
+        "vLLM with the history still in its GPU cache, no reset).",
+        f"Pinned host->device bandwidth measured in the same run(s): {bandwidth / 1e9:.1f} GB/s"
+        + (f" (pitched layer copies: {pitched / 1e9:.1f} GB/s)" if pitched else "")
+        + "; the bound is the history's KV bytes at the plain bandwidth. `sekv restore` is the transfer "
+        "alone (CUDA events on the copy stream, from the response's `restore_ms`); `sekv - warm` is what "
+        "the restore adds to vLLM's own step.",
         "",
-        "| history | plain re-prefill | native offload | sekv host | sekv disk | host->device bound | "
-        "sekv restore | restore / bound | sekv host vs native | sekv host vs plain | bound / sekv host TTFT |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| history | plain re-prefill | native offload | sekv host (layerwise) | sekv host (batched) | "
+        "sekv disk | warm | host->device bound | sekv restore | restore / bound | sekv - warm | "
+        "sekv vs native | sekv vs plain | bound / sekv TTFT |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for length in lengths:
         def t(engine):
             r = by.get((engine, length))
             return None if r is None else r["ttft_s"]
+
+        def cell(value, fmt):
+            return "—" if value is None else fmt.format(value)
         bound = length * kv_bytes_per_token / bandwidth
         cells = [f"{length // 1024}K"]
-        for engine in ("plain", "native", "sekv-host", "sekv-disk"):
-            cells.append("—" if t(engine) is None else f"{t(engine):.3f} s")
+        for engine in ("plain", "native", "sekv-host", "sekv-batched", "sekv-disk", "warm"):
+            cells.append(cell(t(engine), "{:.3f} s"))
         cells.append(f"{bound:.3f} s")
         host_row = by.get(("sekv-host", length))
         restore_ms = ((host_row or {}).get("kv_transfer_params") or {}).get("sekv", {}).get("restore_ms")
-        cells.append("—" if restore_ms is None else f"{restore_ms / 1000:.3f} s")
-        cells.append("—" if restore_ms is None else f"{bound / (restore_ms / 1000):.2f}")
+        restore_s = None if restore_ms is None else restore_ms / 1000
+        cells.append(cell(restore_s, "{:.3f} s"))
+        cells.append(cell(None if restore_s is None else bound / restore_s, "{:.2f}"))
         host = t("sekv-host")
-        cells.append("—" if host is None or t("native") is None else f"{t('native') / host:.2f}x")
-        cells.append("—" if host is None or t("plain") is None else f"{t('plain') / host:.1f}x")
-        cells.append("—" if host is None else f"{bound / host:.2f}")
+        cells.append(cell(None if host is None or t("warm") is None else host - t("warm"), "{:.3f} s"))
+        cells.append(cell(None if host is None or t("native") is None else t("native") / host, "{:.2f}x"))
+        cells.append(cell(None if host is None or t("plain") is None else t("plain") / host, "{:.1f}x"))
+        cells.append(cell(None if host is None else bound / host, "{:.2f}"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Per engine and length: every repeat's time and vLLM's `num_cached_tokens` are in the JSON."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"h2d_bytes_per_s": bandwidth, "rows": rows,
-                                                    "commands": commands}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"h2d_bytes_per_s": bandwidth, "pitched_bytes_per_s": pitched,
+                                                    "rows": rows, "commands": commands}, indent=1))
     print("\n".join(lines), flush=True)
 
 
@@ -214,7 +261,8 @@ def main() -> None:
         rows = [r for run in runs for r in run["rows"]]
         commands = [c for run in runs for c in run.get("commands", [])]
         bandwidth = min(run["h2d_bytes_per_s"] for run in runs)
-        report(rows, bandwidth, args, Path(args.out), commands)
+        pitched = min((run["pitched_bytes_per_s"] for run in runs if run.get("pitched_bytes_per_s")), default=None)
+        report(rows, bandwidth, pitched, args, Path(args.out), commands)
         return
     if args.engine_spec:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
@@ -223,8 +271,8 @@ def main() -> None:
     model_dir = workdir / "llama31-8b"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
-    bandwidth = h2d_bandwidth()
-    print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    bandwidth, pitched = h2d_bandwidth(), pitched_bandwidth()
+    print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s, pitched layer copies: {pitched / 1e9:.1f} GB/s", flush=True)
     base = {"model_dir": str(model_dir), "lengths": args.lengths, "repeats": args.repeats,
             "native_cpu_gib": args.native_cpu_gib, "timeout_s": args.timeout_s, "phase": "all"}
     rows: list[dict] = []
@@ -235,10 +283,12 @@ def main() -> None:
             rows += run_engine({**base, "engine": engine, "sekv": sekv, "phase": "restore"}, workdir)
         else:
             sekv = {"host_bytes": args.host_bytes}
+            if engine == "sekv-batched":
+                sekv["restore_mode"] = "batched"
             rows += run_engine({**base, "engine": engine, "sekv": sekv}, workdir)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report(rows, bandwidth, args, out)
+    report(rows, bandwidth, pitched, args, out)
 
 
 if __name__ == "__main__":

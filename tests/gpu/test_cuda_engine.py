@@ -3,9 +3,9 @@ benchmarks/gpu/run_e2e.sh; skipped without CUDA).
 
 The same 3-step agent session as tests/engine/test_restore_offline.py, on
 SmolLM2 in bf16, vLLM's GPU prefix cache reset before every step. The CUDA
-path is the one users get: pinned host pool, restores through the batched
-copy-stream pipeline and the FlashAttention backend's own cache-update op,
-captures by the attention hook. Workspace blocks of 16 tokens match vLLM's
+path is the one users get: pinned host pool, restores on a copy stream written
+by the FlashAttention backend's own cache-update op — layer by layer behind the
+forward (`restore_mode` layerwise) and, in a second run, batched before it — captures by the attention hook. Workspace blocks of 16 tokens match vLLM's
 16-token pages on CUDA, so sekv restores exactly the tokens vLLM's own prefix
 cache would hold and the computed remainder is the same.
 """
@@ -22,14 +22,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.engine,
 
 RUNNER = Path(__file__).resolve().parents[1] / "engine" / "session_runner.py"
 BLOCK_TOKENS = 16
-SEKV = {"host_bytes": "2G", "block_tokens": BLOCK_TOKENS}
+SEKV = {"host_bytes": "2G", "block_tokens": BLOCK_TOKENS, "restore_mode": "layerwise"}
+SEKV_BATCHED = {**SEKV, "restore_mode": "batched"}
 
 
 def run_session(tmp_path, model_dir, essay, sekv, reset):
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
     spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24,
             "salt": "tenant-a", "other_salt": "tenant-b", "dtype": "bfloat16", "reset": reset}
-    name = f"{'sekv' if sekv is not None else 'plain'}-{'reset' if reset else 'warm'}"
+    name = f"{'sekv-' + sekv.get('restore_mode', 'auto') if sekv is not None else 'plain'}-{'reset' if reset else 'warm'}"
     spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
@@ -44,11 +45,14 @@ def runs(tmp_path_factory, model_dir, essay):
     warm = run_session(tmp, model_dir, essay, None, reset=False)
     cold = run_session(tmp, model_dir, essay, None, reset=True)
     sekv = run_session(tmp, model_dir, essay, SEKV, reset=True)
-    return warm, cold, sekv
+    batched = run_session(tmp, model_dir, essay, SEKV_BATCHED, reset=True)
+    return warm, cold, sekv, batched
 
 
-def test_greedy_outputs_equal_plain_vllm_with_its_prefix_cache(runs):
-    warm, _, sekv = runs
+@pytest.mark.parametrize("mode", ["layerwise", "batched"])
+def test_greedy_outputs_equal_plain_vllm_with_its_prefix_cache(runs, mode):
+    warm, _, layerwise, batched = runs
+    sekv = layerwise if mode == "layerwise" else batched
     assert warm["steps"][2]["num_cached_tokens"] > 0  # vLLM's own cache served the history
     for w, s in zip(warm["steps"], sekv["steps"]):
         assert s["prompt_token_ids"] == w["prompt_token_ids"]
@@ -57,12 +61,12 @@ def test_greedy_outputs_equal_plain_vllm_with_its_prefix_cache(runs):
 
 
 def test_plain_vllm_recomputes_everything_after_a_gpu_cache_reset(runs):
-    _, cold, _ = runs
+    cold = runs[1]
     assert all(step["num_cached_tokens"] == 0 for step in cold["steps"])
 
 
 def test_restore_after_a_gpu_cache_reset_computes_only_new_tokens(runs):
-    _, _, sekv = runs
+    sekv = runs[2]
     steps = sekv["steps"]
     for prev, step in zip(steps, steps[1:]):
         computed_before = len(prev["prompt_token_ids"]) + len(prev["output_token_ids"]) - 1
@@ -75,6 +79,6 @@ def test_restore_after_a_gpu_cache_reset_computes_only_new_tokens(runs):
 
 
 def test_tenants_with_different_salts_never_share_blocks(runs):
-    _, _, sekv = runs
+    sekv = runs[2]
     assert sekv["probe"]["other_salt"]["num_cached_tokens"] == 0
     assert sekv["probe"]["same_salt"]["num_cached_tokens"] > 0

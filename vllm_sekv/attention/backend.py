@@ -6,7 +6,8 @@ cache, it hands the same tensors — `[tokens, kv_heads, head_dim]`, straight
 from the attention layer's inputs — to the active sekv connector's
 `capture_kv(layer, key, value, slot_mapping)`; and before attention it shows
 the layer's queries to `observe_queries(layer, query)` (a probe scores the
-block index with them). The paged cache is never parsed by hand (its layout
+block index with them), after making sure the layer's restored KV is written
+(`wait_for_layer_load`, which vLLM normally calls just before). The paged cache is never parsed by hand (its layout
 is platform-specific; the CPU one is transposed).
 
 `write_kv` is the restore path: the platform's own cache-update op, without
@@ -44,6 +45,7 @@ def wrap_impl(base: type) -> type:
             connector: Any = compat.active_connector()
             observe = getattr(connector, "observe_queries", None)
             if observe is not None:
+                connector.wait_for_layer_load(layer.layer_name)  # idempotent; vLLM calls it first
                 observe(layer, query)
             return super().forward(layer, query, *args, **kwargs)
 

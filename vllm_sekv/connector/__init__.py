@@ -46,7 +46,10 @@ class SekvConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # restores complete in start_load_kv
+        """Layerwise restores (CUDA) write each layer here; also called by the
+        attention hook, so a layer is written even where vLLM skips this call."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # K/V are captured by the attention hook (capture_kv), not from paged bytes

@@ -5,9 +5,14 @@ Runs in each worker process, on the forward thread, in this order per step:
   `start_load_kv`  before a probe, index the blocks committed since the last
                    one (in one batch); restore planned rows through the
                    platform's own cache-update op, keys re-RoPE'd to the view's
-                   positions where the plan says so (before the forward, as
-                   vLLM calls it for synchronous loads; on CUDA enqueued on
-                   the copy and compute streams, on CPU blocking);
+                   positions where the plan says so. On CPU blocking, before
+                   the forward. On CUDA enqueued on a copy stream: either
+                   layer by layer (`LayerwiseRestore`: only the first layers'
+                   copies are enqueued here) or batched (`RestorePipeline`:
+                   every layer written before the forward), per `restore_mode`;
+  `wait_for_layer_load` (vLLM, and the attention hook as a safety net) before
+                   each layer's attention: a layerwise restore writes that
+                   layer and enqueues the copy of a later one; never blocks;
   `capture_kv`     called by the attention hook once per layer, right after
                    the platform wrote that layer's K/V: copies the planned
                    rows into the host pool, keys rotated to their virtual
@@ -15,8 +20,10 @@ Runs in each worker process, on the forward thread, in this order per step:
   `observe_queries` called by the attention hook once per layer before
                    attention: a probe's queries score candidate blocks of the
                    index (accumulated over the probe's steps);
-  `build_worker_meta` reports the step as done, with any capture failures and
-                   the NVMe reads and writes finished so far.
+  `build_worker_meta` after the forward: writes any layer a layerwise restore
+                   still holds (the cache never keeps stale KV), reports the
+                   step as done, with capture failures, restore times and the
+                   NVMe reads and writes finished so far.
 Only the host slots named by the plan are written. A capture row missing from
 the batch marks its slot failed: the scheduler side then never commits it.
 
@@ -39,13 +46,19 @@ from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.ops import rotate_keys
-from vllm_sekv.store import HostPool
+from vllm_sekv.store import HostPool, cudart
+from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
 from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
 from vllm_sekv.workspace.plan import ScoreOp, StepPlan
 
 logger = logging.getLogger("vllm_sekv")
+
+# `restore_mode` "auto" goes layerwise when the restored host slots come in
+# runs at least this long on average: each pitched copy then moves >= 8 slots'
+# layer (>= 256 KiB with 16-token blocks), close to one large copy's speed.
+LAYERWISE_MIN_RUN_BLOCKS = 8
 
 
 class SekvWorkerSide:
@@ -60,6 +73,8 @@ class SekvWorkerSide:
         self.index: BlockIndex | None = None
         self.pipeline: RestorePipeline | None = None  # CUDA: batched, overlapped host->device restores
         self._restore_events: list[tuple[str, Any, Any]] = []  # CUDA: (req_id, start, end) to time
+        self._layerwise: LayerwiseRestore | None = None  # CUDA: this step's layer-by-layer restore
+        self._layerwise_shares: list[tuple[str, float]] = []  # (req_id, share of its blocks)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_of: dict[str, int] = {}
         self.stats = SekvStats()
@@ -101,6 +116,9 @@ class SekvWorkerSide:
         )
         if device.type == "cuda":
             self.pipeline = RestorePipeline(tuple(self.pool.data.shape[1:]), geo.dtype, device)
+            if self.config.restore_mode == "layerwise" and not cudart.available():
+                raise ValueError("sekv config 'restore_mode': layerwise needs the CUDA runtime library "
+                                 "(libcudart) that torch loads, and none was found; use auto or batched")
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim,
                                 self.rope, kind=self.config.index_summary)
         if self.config.nvme_dir:
@@ -130,11 +148,11 @@ class SekvWorkerSide:
             latest = dict(self._index_pending)  # a reused slot: its last block counts
             self.index.add_many(self.pool, list(latest), list(latest.values()))
             self._index_pending = []
+        if self.pipeline is not None and plan.restores:
+            self._restore_cuda(forward_context, plan.restores)
         for op in plan.restores:
-            t0 = time.perf_counter()
-            if self.pipeline is not None:
-                self._restore_cuda(forward_context, op)
-            else:
+            if self.pipeline is None:
+                t0 = time.perf_counter()
                 self._restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
                 self._restore_seconds[op.req_id] = time.perf_counter() - t0
                 self.stats.add("restore_seconds", self._restore_seconds[op.req_id])
@@ -142,6 +160,13 @@ class SekvWorkerSide:
             self.stats.add("restores", 1)
             if op.view_pass == "final":
                 self.stats.add("views", 1)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before a layer's attention: its restored KV is in the paged cache
+        (on the compute stream). A no-op unless a layerwise restore runs."""
+        job = self._layerwise
+        if job is not None and layer_name in self.layer_of:
+            job.load(self.layer_of[layer_name])
 
     def _restore(
         self,
@@ -160,45 +185,63 @@ class SekvWorkerSide:
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
 
-    def _restore_cuda(self, forward_context: Any, op: Any) -> None:
-        """Whole host slots go to the device in large pinned copies on a copy
-        stream (`RestorePipeline`), batch by batch; each batch is written into
-        the paged cache by the platform's own cache-update op, per layer, keys
-        re-RoPE'd on the device. Tokens of a block that the op does not restore
-        get slot -1, which the op skips. Enqueued on the current stream before
-        the forward; timed with CUDA events (read after the forward)."""
+    def _slot_layout(self, op: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A restore op as whole host slots: (slots in the op's order, paged
+        slot of each of their tokens, -1 for tokens the op does not restore,
+        which the cache-update op skips; RoPE delta of each token)."""
         bt = self.config.block_tokens
         slot_of_row = op.host_rows // bt
         uniq, firsts, inverse = np.unique(slot_of_row, return_index=True, return_inverse=True)
         order = np.argsort(firsts, kind="stable")  # blocks in the op's order
-        host_slots = uniq[order]
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order))
         where = rank[inverse] * bt + op.host_rows % bt
-        mapping = np.full(len(host_slots) * bt, -1, dtype=np.int64)
+        mapping = np.full(len(uniq) * bt, -1, dtype=np.int64)
         mapping[where] = op.paged_slots
-        deltas = np.zeros(len(host_slots) * bt, dtype=np.int64)
+        deltas = np.zeros(len(uniq) * bt, dtype=np.int64)
         if op.rope_deltas is not None:
             deltas[where] = op.rope_deltas
-        rerope = op.rope_deltas is not None
-        layers = [(compat.attention_layer(forward_context, name), self.layer_of[name], kv_cache)
-                  for name, kv_cache in self.kv_caches.items()]
-        geo = self.geometry
+        return uniq[order], mapping, deltas
 
-        def write(staged: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
-            for layer, idx, kv_cache in layers:
-                key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
-                value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
-                if rerope:
-                    key = rotate_keys(key, delta, self.rope)
-                layer.impl.write_kv(layer, key, value, kv_cache, slots)
+    def _restore_cuda(self, forward_context: Any, ops: list) -> None:
+        """Enqueue a step's restores from the pinned pool, keys re-RoPE'd on the
+        device, written by the platform's own cache-update op. Layerwise
+        (`LayerwiseRestore`: layer l is written when the forward reaches layer
+        l) or batched (`RestorePipeline`: whole slots, every layer written
+        before the forward), per `restore_mode`. Timed with CUDA events, read
+        after the forward (`build_worker_meta`)."""
+        layouts = [self._slot_layout(op) for op in ops]
+        host_slots = np.concatenate([slots for slots, _, _ in layouts])
+        rerope = any(op.rope_deltas is not None for op in ops)
+        mode = self.config.restore_mode
+        if mode == "auto":
+            mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
+        if mode == "layerwise" and cudart.available():  # auto without libcudart: batched
+            mapping = torch.from_numpy(np.concatenate([m for _, m, _ in layouts])).to(self.pipeline.device)
+            deltas = torch.from_numpy(np.concatenate([d for _, _, d in layouts])).to(self.pipeline.device)
+            write = self._layer_writer(forward_context, mapping, deltas if rerope else None)
+            job = LayerwiseRestore(self.pool.data, host_slots, write, self.pipeline.device,
+                                   copy_stream=self.pipeline.copy_stream)
+            job.start()
+            self._layerwise = job
+            self._layerwise_shares = [(op.req_id, len(slots) / len(host_slots)) for op, (slots, _, _) in zip(ops, layouts)]
+            return
+        for op, (slots, mapping, deltas) in zip(ops, layouts):
+            writer = self._layer_writer(forward_context, None, None, rerope=op.rope_deltas is not None)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.pipeline.restore(self.pool.data, slots.tolist(), (), (), torch.from_numpy(mapping),
+                                  torch.from_numpy(deltas), self.rope, write=writer.batch)
+            end.record()
+            self._restore_events.append((op.req_id, start, end))
 
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.pipeline.restore(self.pool.data, host_slots.tolist(), (), (), torch.from_numpy(mapping),
-                              torch.from_numpy(deltas), self.rope, write=write)
-        end.record()
-        self._restore_events.append((op.req_id, start, end))
+    def _layer_writer(self, forward_context: Any, mapping: torch.Tensor | None,
+                      deltas: torch.Tensor | None, rerope: bool = False) -> "_LayerWriter":
+        layers: dict[int, list] = {}
+        for name, kv_cache in self.kv_caches.items():
+            layers.setdefault(self.layer_of[name], []).append(
+                (compat.attention_layer(forward_context, name), kv_cache))
+        return _LayerWriter(layers, self.geometry, self.rope, mapping, deltas, rerope or deltas is not None)
 
     def capture_kv(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -295,6 +338,13 @@ class SekvWorkerSide:
         plan = self._plan
         if plan is None:
             return None
+        job, self._layerwise = self._layerwise, None
+        if job is not None:
+            job.finish()  # layers the forward did not reach: the cache never keeps stale KV
+            seconds = job.transfer_seconds()
+            for req_id, share in self._layerwise_shares:
+                self._restore_seconds[req_id] = seconds * share
+            self.stats.add("restore_seconds", seconds)
         for req_id, start, end in self._restore_events:  # the forward is done: cheap to read
             end.synchronize()
             seconds = start.elapsed_time(end) / 1000.0
@@ -334,3 +384,37 @@ class SekvWorkerSide:
         if self.records is not None:
             self.records.drain(wait=True)
             self.records.close()
+
+
+class _LayerWriter:
+    """Writes restored K/V of one layer (or a batch of whole slots, every
+    layer) into the paged caches with the platform's cache-update op, keys
+    re-RoPE'd by the tokens' deltas first when the restore moves them."""
+
+    def __init__(self, layers: dict[int, list], geometry: Any, rope: Any,
+                 mapping: torch.Tensor | None, deltas: torch.Tensor | None, rerope: bool) -> None:
+        self.layers = layers
+        self.geometry = geometry
+        self.rope = rope
+        self.mapping = mapping
+        self.deltas = deltas
+        self.rerope = rerope
+
+    def _write(self, idx: int, key: torch.Tensor, value: torch.Tensor,
+               mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        if self.rerope:
+            key = rotate_keys(key, deltas, self.rope)
+        for layer, kv_cache in self.layers.get(idx, ()):
+            layer.impl.write_kv(layer, key, value, kv_cache, mapping)
+
+    def __call__(self, idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """One layer of a layerwise restore: `[tokens, kv_heads, head_dim]`."""
+        self._write(idx, key, value, self.mapping, self.deltas)
+
+    def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor) -> None:
+        """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`."""
+        geo = self.geometry
+        for idx in self.layers:
+            key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+            value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+            self._write(idx, key, value, mapping, deltas)

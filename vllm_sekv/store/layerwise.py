@@ -1,0 +1,176 @@
+"""Layer-by-layer restore, behind the forward pass.
+
+A restore that moves every layer of a block at once must finish before layer
+0's attention. This one moves layer `l` of all the step's blocks as its own
+copies, so layer `l`'s attention waits only for layer `l`'s bytes while the
+copy engine already moves layer `l+1`: the forward pass runs under the
+transfer instead of after it.
+
+Per layer and per run of consecutive host slots there are two pitched copies
+(`cudart.copy2d_async`, K then V: rows of one slot-layer, `slot_bytes` apart in
+the pool) on the copy stream, into a ring of `depth` device buffers
+`[2, num_blocks, block_tokens, kv_heads, head_dim]`. `load(layer)` makes the
+compute stream wait for that layer's copy event, hands the layer's K and V
+`[num_blocks * block_tokens, kv_heads, head_dim]` (contiguous) to `write`, then
+enqueues the copy of layer `layer + depth` into the freed buffer (the copy
+stream waits for the write's event). Nothing blocks the calling thread.
+
+Contract: `start()` once, `load(l)` from the forward thread before layer `l`'s
+attention reads the cache (any order; loading `l` loads every earlier layer
+whose buffer it needs), `finish()` after the forward (writes any layer the
+forward did not ask for, so the cache never keeps stale KV). `write` is called
+exactly once per layer, on the compute stream. The pool's slots must stay
+untouched until `finish()`'s copy events pass (the planner never reuses a slot
+that a step restores). On CPU the same logic runs with synchronous copies
+(tests); with `cudart` unavailable on CUDA, callers use `RestorePipeline`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vllm_sekv.store import cudart
+
+# (layer index, key [n * block_tokens, kv_heads, head_dim], value [same])
+LayerWrite = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def slot_runs(host_slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs `(first slot, first block, num_blocks)` of consecutive slots in
+    `host_slots` (block j of the restore is `host_slots[j]`)."""
+    slots = np.asarray(host_slots, dtype=np.int64)
+    starts = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate([[0], starts]) if len(slots) else starts
+    lengths = np.diff(np.concatenate([starts, [len(slots)]]))
+    return list(zip(slots[starts].tolist(), starts.tolist(), lengths.tolist()))
+
+
+def mean_run_blocks(host_slots: np.ndarray) -> float:
+    """Average length of the runs of consecutive slots in `host_slots`."""
+    return len(host_slots) / max(1, len(slot_runs(host_slots)))
+
+
+class LayerwiseRestore:
+    """One step's restore of `pool[host_slots]` (pool `[slots, 2, layers,
+    block_tokens, kv_heads, head_dim]`, pinned on CUDA), layer by layer."""
+
+    def __init__(self, pool: torch.Tensor, host_slots: np.ndarray, write: LayerWrite,
+                 device: torch.device | str, depth: int = 4,
+                 copy_stream: "torch.cuda.Stream | None" = None) -> None:
+        if pool.dim() != 6 or pool.shape[1] != 2:
+            raise ValueError(f"pool must be [slots, 2, layers, block_tokens, kv_heads, head_dim], got {tuple(pool.shape)}")
+        if not len(host_slots):
+            raise ValueError("host_slots must not be empty")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.pool = pool
+        self.write = write
+        self.device = torch.device(device)
+        self.num_layers = pool.shape[2]
+        self.num_blocks = len(host_slots)
+        self.runs = slot_runs(host_slots)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and (copy_stream is None or not pool.is_pinned()):
+            raise ValueError("on CUDA a layerwise restore needs a copy stream and a pinned pool")
+        chunk = pool.shape[3:]
+        self._bufs = [torch.empty((2, self.num_blocks, *chunk), dtype=pool.dtype, device=self.device)
+                      for _ in range(min(depth, self.num_layers))]
+        self._chunk_bytes = pool[0, 0, 0].numel() * pool.element_size()
+        self._slot_bytes = pool[0].numel() * pool.element_size()
+        self._tokens = self.num_blocks * chunk[0]
+        self._stream = copy_stream
+        self._copied: list = [None] * self.num_layers  # per layer: copy event (CUDA) / True
+        self._freed: list = [None] * len(self._bufs)  # per buffer: event after its last write
+        self._next_copy = 0
+        self._next_write = 0
+        self._written = [False] * self.num_layers
+        self.start_event = self.copy_end_event = None
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self._slot_bytes
+
+    def start(self) -> None:
+        """Enqueue the copies of the first `depth` layers."""
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # buffers fresh from the allocator
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record(self._stream)
+        while self._next_copy < len(self._bufs):
+            self._enqueue_copy()
+
+    def load(self, layer: int) -> None:
+        """Make layer `layer`'s restored KV visible to the compute stream."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        while not self._written[layer]:
+            self._write_next(layer)
+
+    def finish(self) -> None:
+        """Write every layer not loaded yet (after the forward)."""
+        for layer in range(self.num_layers):
+            self.load(layer)
+
+    # ------------------------------------------------------------ internals
+
+    def _write_next(self, wanted: int) -> None:
+        """Write the wanted layer if its copy is enqueued, else the oldest copied
+        layer (its buffer is the one the wanted layer's copy waits for). While
+        any layer is uncopied, some copied layer is unwritten, so the oldest
+        unwritten layer always has its copy enqueued."""
+        layer = wanted if self._copied[wanted] is not None else self._next_write
+        buf = self._bufs[layer % len(self._bufs)]
+        if self._cuda:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(self._copied[layer])
+        key = buf[0].view(self._tokens, *buf.shape[3:])
+        value = buf[1].view(self._tokens, *buf.shape[3:])
+        self.write(layer, key, value)
+        self._written[layer] = True
+        while self._next_write < self.num_layers and self._written[self._next_write]:
+            self._next_write += 1
+        if self._cuda:
+            freed = torch.cuda.Event()
+            freed.record(compute)
+            self._freed[layer % len(self._bufs)] = freed
+        while self._next_copy < self.num_layers and self._buffer_free(self._next_copy):
+            self._enqueue_copy()
+
+    def _buffer_free(self, layer: int) -> bool:
+        """Whether the buffer that layer `layer` copies into has been written out."""
+        previous = layer - len(self._bufs)
+        return previous < 0 or self._written[previous]
+
+    def _enqueue_copy(self) -> None:
+        layer = self._next_copy
+        index = layer % len(self._bufs)
+        buf = self._bufs[index]
+        if not self._cuda:
+            for src, dst, n in self.runs:
+                buf[:, dst:dst + n].copy_(self.pool[src:src + n, :, layer].transpose(0, 1))
+            self._copied[layer] = True
+        else:
+            if self._freed[index] is not None:
+                self._stream.wait_event(self._freed[index])
+            for src, dst, n in self.runs:
+                for kv in (0, 1):
+                    cudart.copy2d_async(buf[kv, dst].data_ptr(), self._chunk_bytes,
+                                        self.pool[src, kv, layer].data_ptr(), self._slot_bytes,
+                                        self._chunk_bytes, n, self._stream)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            self._copied[layer] = done
+            if layer == self.num_layers - 1:
+                self.copy_end_event = torch.cuda.Event(enable_timing=True)
+                self.copy_end_event.record(self._stream)
+        self._next_copy += 1
+
+    def transfer_seconds(self) -> float | None:
+        """Copy-stream time from the first copy to the last (CUDA; after
+        `finish()` and the forward; blocks until the last copy is done)."""
+        if self.start_event is None or self.copy_end_event is None:
+            return None
+        self.copy_end_event.synchronize()
+        return self.start_event.elapsed_time(self.copy_end_event) / 1000.0
