@@ -8,6 +8,8 @@ import torch
 from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
 from vllm_sekv.triton_kernels.rope import scatter_reference
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
+from vllm_sekv.triton_kernels.coarse import kernel as coarse_kernel
+from vllm_sekv.triton_kernels.coarse import reference as coarse_reference
 from vllm_sekv.triton_kernels.scoring import kernel as scoring_kernel
 from vllm_sekv.triton_kernels.scoring import reference as scoring_reference
 
@@ -41,4 +43,18 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
            slots, deltas, rope, src_rows)
     torch.testing.assert_close(kv_tri, kv_ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(kv_tri2, kv_ref, rtol=1e-3, atol=1e-3)
+fused_coarse = coarse_kernel.CoarseConfig(16, 16, 4, 1, num_splits=1)
+split_coarse = coarse_kernel.CoarseConfig(16, 16, 4, 1, num_splits=3)
+for tokens, q_heads, kv_heads, summaries, head_dim in [(37, 6, 2, 45, 24), (1, 4, 4, 17, 64)]:
+    q = torch.randn(tokens, q_heads, head_dim).half()
+    out_view = torch.randn(tokens, q_heads, head_dim).half()
+    lse_view = torch.randn(tokens, q_heads) * 3
+    lse_view[0] = float("-inf")
+    k_sum, v_sum = torch.randn(2, summaries, kv_heads, head_dim).half()
+    n = torch.randint(0, 20, (summaries,))
+    for mask, cfg in ((None, fused_coarse), (torch.rand(tokens, summaries) < 0.5, split_coarse)):
+        got = coarse_kernel.coarse_merge(q, out_view, lse_view, k_sum, v_sum, n, mask=mask, config=cfg)
+        want = coarse_reference.coarse_merge(q, out_view, lse_view, k_sum, v_sum, n, mask=mask)
+        torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
 print("ok")
