@@ -15,6 +15,10 @@
       Lists the configuration keys, their defaults and environment variables.
   vllm-sekv sessions list|delete|cleanup --nvme-dir DIR ...
       Inspects and cleans an NVMe folder while no server uses it.
+  vllm-sekv calibrate MODEL --out PATH [--texts N --tokens T --steps S --alpha A --seed S]
+      Trains the SeKV zoom router offline (frozen model, CPU, essay text) and
+      writes the small file that the `router_path` key loads. MODEL: `smollm2`
+      or a Hugging Face folder. Captured samples are cached (--cache-dir).
 """
 from __future__ import annotations
 
@@ -111,9 +115,50 @@ def _sessions(argv: list[str]) -> int:
     return sessions_main(argv)
 
 
+def _calibrate(argv: list[str]) -> int:
+    from vllm_sekv.calibrate import CalibrateArgs
+
+    d = CalibrateArgs(model="", out="")
+    parser = argparse.ArgumentParser(prog="vllm-sekv calibrate",
+                                     description="Train the SeKV zoom router offline (see vllm_sekv/calibrate.py).")
+    parser.add_argument("model", help=f"`{BUNDLED_MODEL_ALIAS}` (the bundled SmolLM2) or a Hugging Face folder")
+    parser.add_argument("--out", required=True, help="router file to write (load it with the router_path key)")
+    parser.add_argument("--texts", type=int, default=d.texts, help="training texts")
+    parser.add_argument("--heldout", type=int, default=d.heldout, help="held-out texts (unseen essays)")
+    parser.add_argument("--tokens", type=int, default=d.tokens, help="tokens per text (history + new)")
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens, help="last tokens of a text: the step's queries")
+    parser.add_argument("--steps", type=int, default=d.steps, help="training steps (one text each)")
+    parser.add_argument("--alpha", type=float, default=d.alpha, help="surprisal segmentation threshold")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--sink-tokens", type=int, default=d.sink_tokens, help="history kept from the start")
+    parser.add_argument("--recent-tokens", type=int, default=d.recent_tokens, help="history kept from the end")
+    parser.add_argument("--no-distance", action="store_true", help="position-free router (no recency term)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(d.budgets), help="report: token budgets")
+    parser.add_argument("--cache-dir", default=d.cache_dir, help="captured samples (re-runs skip the model)")
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    a = parser.parse_args(argv)
+    from vllm_sekv.calibrate import format_report, run
+
+    args = CalibrateArgs(model=a.model, out=a.out, texts=a.texts, heldout=a.heldout, tokens=a.tokens,
+                         new_tokens=a.new_tokens, steps=a.steps, alpha=a.alpha, seed=a.seed, lr=a.lr,
+                         sink_tokens=a.sink_tokens, recent_tokens=a.recent_tokens, use_distance=not a.no_distance, budgets=tuple(a.budgets), cache_dir=a.cache_dir,
+                         threads=a.threads)
+    try:
+        res = run(args)
+    except ValueError as e:
+        print(f"vllm-sekv: {e}", file=sys.stderr)
+        return 2
+    print(format_report(res))
+    print(f"\nwrote {a.out}: {res['num_parameters']} parameters, {res['file_bytes']} bytes; capture "
+          f"{res['capture_s']:.0f} s, training {res['train_s']:.0f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"serve": _serve, "model": _model, "config": _config, "sessions": _sessions}
+    commands = {"serve": _serve, "model": _model, "config": _config, "sessions": _sessions,
+                "calibrate": _calibrate}
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

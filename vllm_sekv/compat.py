@@ -83,6 +83,29 @@ def active_connector() -> Any | None:
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
+def model_of_caller() -> Any | None:
+    """The loaded model, found from inside `register_kv_caches`.
+
+    vLLM hands KV connectors no handle on the model. `register_kv_caches` is
+    called (directly in 0.32's runner, through `ActiveKVConnector` in 0.26's
+    V2 runner) from the model runner's `initialize_kv_cache`, whose `self.model`
+    is the loaded model: the nearest frame up the stack whose `self` has a
+    `model` with `compute_logits`. None if there is none."""
+    import inspect
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            model = getattr(owner, "model", None)
+            if isinstance(model, torch.nn.Module) and callable(getattr(model, "compute_logits", None)):
+                return model
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
 def layer_index(layer_name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 

@@ -60,13 +60,15 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 POLICIES = ("slru", "lru")
 RESTORE_MODES = ("auto", "layerwise", "batched")
-# Block summaries the views' index can use without per-token surprisal
-# (`vllm_sekv.workspace.summaries`); the surprisal-weighted kinds come with
-# SeKV segments.
+# Block summaries the views' index can use (`vllm_sekv.workspace.summaries`);
+# those in SURPRISAL_SUMMARIES weight tokens by their surprisal and need
+# `surprisal` on.
+SURPRISAL_SUMMARIES = ("anchor_pre", "sub8a_pre", "wmean_pre", "wsub8_pre")
 INDEX_SUMMARIES = (
     "sub4_pre", "sub8_pre", "sub16_pre", "mean_pre", "outlier_pre", "minmax_pre",
-    "sub4_post", "sub8_post", "mean_post", "minmax_post",
+    "sub4_post", "sub8_post", "mean_post", "minmax_post", *SURPRISAL_SUMMARIES,
 )
+ON_OFF = ("off", "on")
 _COMBINE_RE = re.compile(r"^(mean|max|top[1-9][0-9]*)$")
 
 
@@ -118,14 +120,25 @@ class SekvConfig:
     # need no surprisal.
     index_summary: str = "sub4_pre"
     index_combine: str = "max"
+    # SeKV: record each captured token's surprisal -log p(x_t | x_<t) from the
+    # model's own logits (the LM head over every computed token: about a fifth
+    # of SmolLM2-135M's forward, 7% of Llama-3-8B's). Needed by the
+    # surprisal-weighted index summaries ("on" or "off").
+    surprisal: str = "off"
     # Queries that score the index: the last this many new tokens (0 = all).
     probe_query_tokens: int = 64
     # Blocks before each selected block that the view takes along with it.
     view_context_blocks: int = 0
+    # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
+    # ("" = no router: the training-free index above selects). Checked at
+    # start-up: the file must exist and be a valid router file, and its model
+    # fingerprint must match the served model (`workspace.router.load_router`).
+    router_path: str = ""
 
     _SIZES = ("host_bytes", "nvme_bytes")
-    _STRINGS = ("nvme_dir", "index_combine")
-    _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES}
+    _STRINGS = ("nvme_dir", "index_combine", "router_path")
+    _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
+                "surprisal": ON_OFF}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens
@@ -163,10 +176,20 @@ class SekvConfig:
                 f"sekv config 'index_combine': expected mean, max or top<m> (e.g. top8), "
                 f"got {self.index_combine!r}"
             )
+        if self.index_summary in SURPRISAL_SUMMARIES and self.surprisal != "on":
+            raise ValueError(
+                f"sekv config 'index_summary': {self.index_summary} weights tokens by their "
+                f"surprisal; set 'surprisal' to on, or pick a summary without weights"
+            )
         if self.min_restore_tokens < 0:
             raise ValueError(
                 f"sekv config 'min_restore_tokens': must not be negative, got {self.min_restore_tokens}"
             )
+        if self.router_path:
+            # torch is imported only when a router is configured; raises naming 'router_path'
+            from vllm_sekv.workspace.router import read_router_file
+
+            read_router_file(self.router_path)
 
     @classmethod
     def keys(cls) -> list[str]:

@@ -53,9 +53,16 @@ def test_sub_block_entries_and_score_match_a_direct_computation():
     torch.testing.assert_close(got.sum(-1), torch.full((4,), 5.0))
 
 
-def test_kinds_that_need_surprisal_are_refused():
-    with pytest.raises(ValueError, match="surprisal"):
-        BlockIndex(2, 1, 1, 16, rope(16), kind="anchor_pre")
+@pytest.mark.parametrize("start", [0, 96])
+def test_anchor_entry_is_the_highest_surprisal_tokens_pre_rope_key(start):
+    pool, pre, spec = pool_with_block(start)
+    index = BlockIndex(4, 3, 2, 16, spec, kind="anchor_pre", dtype=torch.float32)
+    surprisal = torch.tensor([[0.5, 1.0, float("nan"), 7.5, 2.0, 0.1, 3.0, 0.0]])  # token 3 is the anchor
+    index.add_many(pool, [2], [start], surprisal)
+    torch.testing.assert_close(index.entries[2, :, 0], pre.mean(dim=1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(index.entries[2, :, 1], pre[:, 3], atol=1e-5, rtol=1e-5)
+    index.add_many(pool, [2], [start], torch.full((1, 8), float("nan")))  # unknown: first token
+    torch.testing.assert_close(index.entries[2, :, 1], pre[:, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_rotation_composes_and_inverts():

@@ -26,8 +26,9 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     With several ranks, `aggregate` keeps what holds for all of them: a step
     is confirmed when every rank finished it, a slot failed if any rank failed
     it, a restore took as long as the slowest rank, NVMe completions of all
-    ranks are passed on for the scheduler side to count, and each rank's
-    probe scores (its own heads) are stacked.
+    ranks are passed on for the scheduler side to count, each rank's probe
+    scores (its own heads) are stacked, and surprisal comes from the rank
+    that computed it.
     """
 
     confirmed_step: int
@@ -40,6 +41,10 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     # (layer, query head) this rank holds (`sum over queries of softmax over
     # candidates`); ranks' rows are stacked.
     scores: dict[str, np.ndarray] = field(default_factory=dict)
+    # SeKV: surprisal of the tokens captured this step, (host rows int64,
+    # values float32, NaN where unknown). Only the rank that holds the logits
+    # computes it; the first non-empty report is kept.
+    surprisal: tuple[np.ndarray, np.ndarray] | None = None
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "SekvWorkerMeta":
         assert isinstance(other, SekvWorkerMeta)
@@ -55,4 +60,5 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
                 req_id: np.concatenate([m.scores[req_id] for m in (self, other) if req_id in m.scores])
                 for req_id in self.scores.keys() | other.scores.keys()
             },
+            surprisal=self.surprisal if self.surprisal is not None else other.surprisal,
         )

@@ -78,6 +78,7 @@ class SekvSchedulerSide:
             min_restore_tokens=config.min_restore_tokens,
             world_size=world_size,
             probe_query_tokens=config.probe_query_tokens,
+            record_surprisal=config.surprisal == "on",
         )
         self.views = ViewCoordinator(
             config,
@@ -180,6 +181,8 @@ class SekvSchedulerSide:
                 params["restore_ms"] = round(1000.0 * seconds, 3)
         for req_id, rows in meta.scores.items():
             self.views.set_scores(req_id, rows)
+        if meta.surprisal is not None:
+            self.planner.note_surprisal(*meta.surprisal)
         self.planner.nvme_done(meta.nvme_completions)
         self.planner.confirm(meta.confirmed_step, meta.failed_slots, self._tokens_of)
         self._open_params.clear()

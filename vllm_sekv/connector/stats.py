@@ -20,6 +20,7 @@ _COUNTERS = {
     "restores": "Restore operations (one per request and step)",
     "views": "Steps served from an execution view (selected history, re-RoPE'd)",
     "probes": "Probe passes that scored the views' block index",
+    "surprisal_tokens": "Captured tokens whose surprisal the model's own logits recorded (SeKV)",
     "capture_failures": "Captured blocks dropped because a row was missing",
     "nvme_written_blocks": "Blocks written to the NVMe tier",
     "nvme_read_blocks": "Blocks read back from the NVMe tier (checksum verified)",

@@ -20,6 +20,8 @@ Runs in each worker process, on the forward thread, in this order per step:
   `observe_queries` called by the attention hook once per layer before
                    attention: a probe's queries score candidate blocks of the
                    index (accumulated over the probe's steps);
+  (SeKV, `surprisal` on) after the model's forward, a hook records the
+                   surprisal of the step's captured tokens (`SurprisalRecorder`);
   `build_worker_meta` after the forward: writes any layer a layerwise restore
                    still holds (the cache never keeps stale KV), reports the
                    step as done, with capture failures, restore times and the
@@ -45,6 +47,7 @@ from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
+from vllm_sekv.connector.surprisal import SurprisalRecorder
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store import HostPool, cudart
 from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
@@ -90,6 +93,11 @@ class SekvWorkerSide:
         # Committed blocks not indexed yet: indexed in one batch when a probe
         # needs the index, never in steps that do not (restores stay lean).
         self._index_pending: list[tuple[int, int]] = []
+        # SeKV: the model's own surprisal of captured tokens (config `surprisal`),
+        # and per host slot the surprisal the scheduler side sent for indexing.
+        self.surprisal: SurprisalRecorder | None = None
+        self._index_surprisal: dict[int, np.ndarray] = {}
+        self._step_mapping: np.ndarray | None = None  # this step's slot mapping (set by the first layer)
 
     # ---------------------------------------------------------------- set-up
 
@@ -121,6 +129,12 @@ class SekvWorkerSide:
                                  "(libcudart) that torch loads, and none was found; use auto or batched")
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim,
                                 self.rope, kind=self.config.index_summary)
+        if self.config.surprisal == "on":
+            model = compat.model_of_caller()
+            if model is None:
+                raise ValueError("sekv config 'surprisal': cannot reach the model from the KV connector "
+                                 "in this vLLM version; use surprisal off")
+            self.surprisal = SurprisalRecorder(model)
         if self.config.nvme_dir:
             layout = nvme_layout(self.config, self.vllm_config)
             self.records = RecordIO(layout, self.pool.data, compat.worker_rank(),
@@ -130,7 +144,10 @@ class SekvWorkerSide:
 
     def bind(self, metadata: SekvMetadata) -> None:
         plan = self._plan = metadata.plan
-        self._capture_rows = self._probe_rows = None
+        self._capture_rows = self._probe_rows = self._step_mapping = None
+        self._index_surprisal.update(plan.index_surprisal)
+        if self.surprisal is not None:
+            self.surprisal.bind(plan.surprisal, self._step_rows)
         if self.records is not None:
             for block_hash in plan.nvme_deletes:
                 self.records.delete_now(block_hash)
@@ -146,7 +163,11 @@ class SekvWorkerSide:
         self._index_pending.extend(plan.index_blocks)
         if plan.scores and self._index_pending:
             latest = dict(self._index_pending)  # a reused slot: its last block counts
-            self.index.add_many(self.pool, list(latest), list(latest.values()))
+            surprisal = None
+            if self.index.kind.uses_weights:
+                nan = np.full(self.config.block_tokens, np.nan, dtype=np.float32)
+                surprisal = torch.from_numpy(np.stack([self._index_surprisal.pop(s, nan) for s in latest]))
+            self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
             self._index_pending = []
         if self.pipeline is not None and plan.restores:
             self._restore_cuda(forward_context, plan.restores)
@@ -249,6 +270,8 @@ class SekvWorkerSide:
         plan = self._plan
         if plan is None or self.pool is None:
             return
+        if self._step_mapping is None:
+            self._step_mapping = slot_mapping.cpu().numpy()
         if plan.scores and self._probe_rows is None:
             self._probe_rows = self._resolve_probe_rows(plan, slot_mapping)
         if not len(plan.capture_paged_slots):
@@ -260,9 +283,16 @@ class SekvWorkerSide:
                 keys = rotate_keys(keys, deltas, self.rope)
             self.pool.write_rows(self.layer_of[layer.layer_name], host_rows, keys, value[batch_rows].cpu())
 
-    def _batch_rows(self, slot_mapping: torch.Tensor, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _step_rows(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`_batch_rows` against this step's slot mapping (none yet: nothing found)."""
+        if self._step_mapping is None:
+            return np.zeros(len(want), dtype=bool), np.zeros(0, dtype=np.int64)
+        return self._batch_rows(self._step_mapping, want)
+
+    def _batch_rows(self, slot_mapping: torch.Tensor | np.ndarray,
+                    want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found [len(want)] bool, batch row of each found slot)."""
-        mapping = slot_mapping.cpu().numpy()
+        mapping = slot_mapping if isinstance(slot_mapping, np.ndarray) else slot_mapping.cpu().numpy()
         order = np.argsort(mapping, kind="stable")
         sorted_slots = mapping[order]
         pos = np.clip(np.searchsorted(sorted_slots, want), 0, max(len(sorted_slots) - 1, 0))
@@ -279,7 +309,7 @@ class SekvWorkerSide:
         cached = self._capture_rows
         if cached is not None and cached[0] == plan.step_id:
             return cached[1], cached[2], cached[3]
-        found, rows = self._batch_rows(slot_mapping, plan.capture_paged_slots)
+        found, rows = self._batch_rows(self._step_mapping, plan.capture_paged_slots)
         if not found.all():
             bt = self.config.block_tokens
             lost = set((plan.capture_host_rows[~found] // bt).tolist())
@@ -299,7 +329,7 @@ class SekvWorkerSide:
     ) -> list[tuple[ScoreOp, torch.Tensor, torch.Tensor]]:
         out = []
         for op in plan.scores:
-            found, rows = self._batch_rows(slot_mapping, op.query_paged_slots)
+            found, rows = self._batch_rows(self._step_mapping, op.query_paged_slots)
             if not found.all():
                 logger.warning("sekv: %d probe queries missing from the batch", int((~found).sum()))
             out.append((op, torch.from_numpy(rows), torch.from_numpy(op.query_positions[found])))
@@ -352,8 +382,13 @@ class SekvWorkerSide:
             self.stats.add("restore_seconds", seconds)
         self._restore_events = []
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
+        surprisal = None
+        if self.surprisal is not None:
+            surprisal = self.surprisal.take()
+            if surprisal is not None:
+                self.stats.add("surprisal_tokens", len(surprisal[0]))
         meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
-                              self._drain_nvme(), self._scores_done)
+                              self._drain_nvme(), self._scores_done, surprisal)
         self._failed_slots, self._restore_seconds, self._scores_done = set(), {}, {}
         return meta
 

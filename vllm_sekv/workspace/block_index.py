@@ -11,7 +11,9 @@ token's key is first rotated back by its position (a pure rotation by
 `score` is the probe's half: per layer, the new tokens' queries against the
 candidates' entries, `sum over queries of softmax over candidates` per query
 head. Entries are kept in bfloat16 (an eighth of the block's K/V bytes for
-`sub4_pre` with 32-token blocks); scoring runs in float32.
+`sub4_pre` with 32-token blocks); scoring runs in float32. Kinds that weight
+tokens by their surprisal (SeKV: `anchor_pre` keeps the key of the block's
+highest-surprisal token) take it per block in `add_many`.
 
 Runs in the worker process, on the forward thread; blocking.
 """
@@ -36,8 +38,6 @@ class BlockIndex:
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.kind = summaries.get_kind(kind)
-        if self.kind.uses_weights:
-            raise ValueError(f"summary kind {kind!r} needs per-token surprisal weights")
         self.rope = rope
         s = self.kind.vectors_per_block
         self.entries = torch.zeros((num_slots, num_layers, s, kv_heads, head_dim), dtype=dtype)
@@ -52,9 +52,12 @@ class BlockIndex:
         """Index the block in `slot`, whose first token sits at virtual position `start_token`."""
         self.add_many(pool, [slot], [start_token])
 
-    def add_many(self, pool: HostPool, slots: list[int], start_tokens: list[int], chunk: int = 128) -> None:
+    def add_many(self, pool: HostPool, slots: list[int], start_tokens: list[int],
+                 surprisal: torch.Tensor | None = None, chunk: int = 128) -> None:
         """Index several blocks (distinct slots), `chunk` at a time: one
-        rotation and one summary per chunk."""
+        rotation and one summary per chunk. `surprisal` [len(slots),
+        block_tokens] (NaN: unknown) weights the tokens of kinds that use it
+        (`summaries.surprisal_weights`; uniform where unknown)."""
         for c in range(0, len(slots), chunk):
             idx = torch.tensor(slots[c : c + chunk], dtype=torch.int64)
             starts = torch.tensor(start_tokens[c : c + chunk], dtype=torch.int64)
@@ -63,7 +66,11 @@ class BlockIndex:
             post = keys.permute(0, 2, 1, 3, 4).reshape(n * num_tokens, num_layers * kv_heads, head_dim).float()
             positions = (starts[:, None] + torch.arange(num_tokens)[None, :]).reshape(-1)
             pre = rotate_keys(post, -positions, self.rope)
-            summary = summaries.summarize_blocks(self.kind, pre, post, None, block_tokens=num_tokens)
+            weights = None
+            if self.kind.uses_weights:
+                h = surprisal[c : c + chunk] if surprisal is not None else torch.zeros(n, num_tokens)
+                weights = summaries.surprisal_weights(h.reshape(-1).float(), num_tokens)  # [n * T]
+            summary = summaries.summarize_blocks(self.kind, pre, post, weights, block_tokens=num_tokens)
             s = summary.shape[1]  # [n, S, L*H, D] -> [n, L, S, H, D]
             entries = summary.reshape(n, s, num_layers, kv_heads, head_dim).transpose(1, 2)
             self.entries[idx] = entries.to(self.entries.dtype)

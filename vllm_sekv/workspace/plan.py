@@ -48,6 +48,18 @@ class ScoreOp:
 
 
 @dataclass
+class SurprisalOp:
+    """Record the surprisal `-log p(x_t | x_<t)` of the tokens one request
+    computes in this step (SeKV): the model's own next-token distribution at
+    each token's predecessor, in the step's forward pass."""
+
+    req_id: str
+    paged_slots: np.ndarray  # [n] every token the request computes this step, in position order
+    host_rows: np.ndarray  # [n] host row that keeps each token's surprisal (-1: not kept)
+    first_virtual: int  # virtual position of the first of them
+
+
+@dataclass
 class StepPlan:
     step_id: int
     restores: list[RestoreOp] = field(default_factory=list)
@@ -63,6 +75,10 @@ class StepPlan:
     # them in one batch before its next probe):
     # (host slot, position of the block's first token).
     index_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Per-token surprisal of those blocks (host slot -> [block_tokens] float32,
+    # NaN where unknown), for summary kinds that weight tokens by it.
+    index_surprisal: dict[int, np.ndarray] = field(default_factory=dict)
+    surprisal: list[SurprisalOp] = field(default_factory=list)
     # NVMe tier, all asynchronous in the worker; completions come back in its
     # step report. Deletes run first, before any write of the same step.
     nvme_deletes: list[bytes] = field(default_factory=list)

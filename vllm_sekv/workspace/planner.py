@@ -38,7 +38,7 @@ import numpy as np
 
 from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import extend_block_hashes
-from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan
+from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan, SurprisalOp
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.views import PassKind, ViewPass
 
@@ -85,8 +85,13 @@ class WorkspacePlanner:
         min_restore_tokens: int = 0,
         world_size: int = 1,
         probe_query_tokens: int = 0,
+        record_surprisal: bool = False,
     ) -> None:
         self.probe_query_tokens = probe_query_tokens
+        # SeKV: per host row, the surprisal of the token it holds (NaN: unknown),
+        # reported by the worker that computed it; None when not recorded.
+        self.surprisal = (np.full((catalog.num_host_slots, block_tokens), np.nan, dtype=np.float32)
+                          if record_surprisal else None)
         self.catalog = catalog
         self.sessions = sessions
         self.block_tokens = block_tokens
@@ -290,15 +295,34 @@ class WorkspacePlanner:
                 src.append(self._paged_slots(st, positions - offset))
                 dst.append(host_rows)
                 deltas.append(np.full(len(positions), offset, dtype=np.int64))
+                if self.surprisal is not None:
+                    step.surprisal.append(self._plan_surprisal(st, first, count, offset, positions, host_rows))
         if src:
             step.capture_paged_slots = np.concatenate(src)
             step.capture_host_rows = np.concatenate(dst)
             step.capture_rope_deltas = np.concatenate(deltas)
         step.index_blocks, self._index_queue = self._index_queue, []
+        if self.surprisal is not None:
+            step.index_surprisal = {slot: self.surprisal[slot].copy() for slot, _ in step.index_blocks}
         step.nvme_deletes = self.catalog.take_deletes()
         step.nvme_writes, self._write_queue = self._write_queue, []
         step.nvme_reads, self._read_queue = self._read_queue, []
         return step
+
+    def _plan_surprisal(self, st: RequestState, first: int, count: int, offset: int,
+                        captured: np.ndarray, host_rows: np.ndarray) -> SurprisalOp:
+        """All `count` tokens the request computes from `first` (its own
+        positions): each one's predecessor predicts it; the captured ones keep
+        the result at their host rows."""
+        rows = np.full(count, -1, dtype=np.int64)
+        rows[captured - offset - first] = host_rows
+        return SurprisalOp(st.req_id, self._paged_slots(st, np.arange(first, first + count, dtype=np.int64)),
+                           rows, first + offset)
+
+    def note_surprisal(self, host_rows: np.ndarray, values: np.ndarray) -> None:
+        """The worker's surprisal of tokens it captured (row = slot * block_tokens + offset)."""
+        if self.surprisal is not None and len(host_rows):
+            self.surprisal.reshape(-1)[host_rows] = values
 
     def _plan_score(self, st: RequestState, first: int, count: int) -> ScoreOp | None:
         """The probe's queries in [first, first + count): the last

@@ -1,0 +1,51 @@
+"""SeKV surprisal (config `surprisal` on): what sekv records for each captured
+token equals vLLM's own prompt logprobs of the same tokens, through chunked
+prefill (the stash carries a chunk's last hidden state to the next chunk) and
+decode steps (each step's token is scored by the previous step's state).
+
+Two engines, each in its own process: sekv serving a 1,200-token prompt in
+256-token chunks plus 24 greedy tokens; plain vLLM computing `prompt_logprobs`
+of prompt + those tokens. bf16 on CPU; the chunks line up, decode does not
+(one token per step against a prefill chunk), hence a small tolerance.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+RUNNER = Path(__file__).with_name("surprisal_runner.py")
+PROMPT_TOKENS, MAX_TOKENS, CHUNK_TOKENS = 1200, 24, 256
+
+
+def run(tmp_path, spec):
+    spec_path, out_path = tmp_path / f"{spec['mode']}.json", tmp_path / f"{spec['mode']}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out_path.read_text())
+
+
+def test_recorded_surprisal_equals_vllms_prompt_logprobs(tmp_path, model_dir, essay):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(essay)["input_ids"][:PROMPT_TOKENS]
+    base = {"model": model_dir, "max_tokens": MAX_TOKENS, "max_num_batched_tokens": CHUNK_TOKENS}
+    sekv = run(tmp_path, {**base, "mode": "sekv", "prompt_token_ids": ids})
+    full = ids + sekv["output_token_ids"]
+    plain = run(tmp_path, {**base, "mode": "plain", "prompt_token_ids": full})
+    recorded = sekv["surprisal"]
+    expected = plain["surprisal"][:len(recorded)]
+    assert len(recorded) >= PROMPT_TOKENS  # the prompt's blocks and some decoded ones were committed
+    assert math.isnan(recorded[0])  # token 0 has no predecessor
+    pairs = list(zip(recorded[1:], expected[1:]))
+    assert not any(math.isnan(r) for r, _ in pairs)
+    prompt_err = max(abs(r - e) for r, e in pairs[:PROMPT_TOKENS - 1])
+    decode_err = max((abs(r - e) for r, e in pairs[PROMPT_TOKENS - 1:]), default=0.0)
+    assert prompt_err <= 1e-3, prompt_err  # same chunks, same kernels
+    assert decode_err <= 0.1, decode_err  # one token per step vs a prefill chunk, bf16
