@@ -12,6 +12,7 @@ Sizes accept integers (bytes) or strings with a binary unit: `512M`, `8G`,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -50,6 +51,15 @@ def _parse_int(key: str, value: Any) -> int:
         return int(str(value), 10) if not isinstance(value, int) else value
     except ValueError:
         raise ValueError(f"sekv config '{key}': expected an integer, got {value!r}") from None
+
+
+def _parse_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"sekv config '{key}': expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"sekv config '{key}': expected a number, got {value!r}") from None
 
 
 def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -125,6 +135,13 @@ class SekvConfig:
     # of SmolLM2-135M's forward, 7% of Llama-3-8B's). Needed by the
     # surprisal-weighted index summaries ("on" or "off").
     surprisal: str = "off"
+    # SeKV anchors (with surprisal on): a history token whose surprisal exceeds
+    # the running mean by `anchor_alpha` running standard deviations is an
+    # anchor. A view keeps the anchors of the blocks it leaves out as single
+    # tokens, the most surprising first, within `anchor_percent` percent of
+    # its budget (0: no anchors).
+    anchor_alpha: float = 2.0
+    anchor_percent: int = 6
     # Queries that score the index: the last this many new tokens (0 = all).
     probe_query_tokens: int = 64
     # Blocks before each selected block that the view takes along with it.
@@ -137,6 +154,7 @@ class SekvConfig:
 
     _SIZES = ("host_bytes", "nvme_bytes")
     _STRINGS = ("nvme_dir", "index_combine", "router_path")
+    _FLOATS = ("anchor_alpha",)
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF}
 
@@ -176,6 +194,10 @@ class SekvConfig:
                 f"sekv config 'index_combine': expected mean, max or top<m> (e.g. top8), "
                 f"got {self.index_combine!r}"
             )
+        if not (math.isfinite(self.anchor_alpha) and self.anchor_alpha >= 0):
+            raise ValueError(f"sekv config 'anchor_alpha': expected a finite number >= 0, got {self.anchor_alpha}")
+        if not 0 <= self.anchor_percent <= 50:
+            raise ValueError(f"sekv config 'anchor_percent': expected 0..50, got {self.anchor_percent}")
         if self.index_summary in SURPRISAL_SUMMARIES and self.surprisal != "on":
             raise ValueError(
                 f"sekv config 'index_summary': {self.index_summary} weights tokens by their "
@@ -228,6 +250,8 @@ class SekvConfig:
             return parse_size_bytes(key, value)
         if key in cls._STRINGS:
             return str(value)
+        if key in cls._FLOATS:
+            return _parse_float(key, value)
         if key in cls._CHOICES:
             return _parse_choice(key, value, cls._CHOICES[key])
         return _parse_int(key, value)

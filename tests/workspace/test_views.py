@@ -12,12 +12,31 @@ def test_a_prompt_that_fits_is_one_final_pass_over_the_whole_history():
     p = first_pass(num_prompt_tokens=90, matched_blocks=11, budget=BUDGET)
     assert p.kind is PassKind.FINAL and p.samples
     assert p.history_blocks == tuple(range(11)) and p.tail_start == 88 and p.tail_tokens == 2
-    assert p.rope_deltas() == [0] * 11 and p.tail_offset == 0
+    assert p.history_positions() == list(range(88)) and p.tail_offset == 0
 
 
 def test_a_fully_matched_prompt_still_computes_its_last_token():
     p = first_pass(num_prompt_tokens=88, matched_blocks=11, budget=BUDGET)
     assert p.tail_start == 80 and p.tail_tokens == 8
+
+
+def test_anchors_of_left_out_blocks_join_the_view_as_single_tokens_in_virtual_order():
+    prompt = list(range(1000, 1000 + 203))
+    probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)
+    scores = [float(-i) for i in range(len(probe.candidates))]  # earliest candidates first
+    # anchors, most important first: in a chosen block (3), in sink (5), beyond (100, 190: recent), left out
+    anchors = [150, 3, 5, 100, 190, 77, 171]
+    final = final_pass(probe, scores, BUDGET, anchors=anchors, anchor_tokens=3)
+    # one block of room goes to the 3 anchor tokens: 7 chosen blocks (1..7)
+    assert final.history_blocks == (0, 1, 2, 3, 4, 5, 6, 7, 23, 24)
+    assert final.anchors == (77, 100, 150)  # left-out ones, at most 3, in virtual order
+    positions = final.history_positions()
+    assert positions == sorted(positions) and len(positions) == final.history_tokens == 10 * 8 + 3
+    assert positions[64:67] == [77, 100, 150]
+    tokens = final.token_ids(prompt)
+    assert tokens[64:67] == [prompt[77], prompt[100], prompt[150]] and tokens[-3:] == prompt[200:203]
+    assert final.num_tokens <= BUDGET.view_tokens
+    assert final_pass(probe, scores, BUDGET, anchors=anchors, anchor_tokens=0).anchors == ()
 
 
 def test_long_history_probes_then_selects_in_original_order():
@@ -29,7 +48,7 @@ def test_long_history_probes_then_selects_in_original_order():
     tokens = probe.token_ids(prompt)
     assert tokens[:8] == prompt[:8] and tokens[8:24] == prompt[184:200]
     assert tokens[24:27] == prompt[200:203] and len(tokens) == probe.num_tokens == 28
-    assert probe.rope_deltas() == [0, (1 - 23) * 8, (2 - 24) * 8]
+    assert probe.history_positions() == list(range(8)) + list(range(184, 200))
     assert probe.tail_offset == 200 - 24
 
     scores = [0.0] * len(probe.candidates)
@@ -127,3 +146,30 @@ def test_a_history_the_workspace_cannot_hold_is_served_from_its_end():
     assert p.tail_start + p.tail_tokens == 1003 and p.tail_offset == p.tail_start - 8
     none = truncated_pass(num_prompt_tokens=1003, matched_blocks=0, budget=BUDGET)
     assert none.history_blocks == () and none.num_tokens <= BUDGET.view_tokens
+
+
+def test_planner_restores_anchor_tokens_at_their_view_positions():
+    eng = Engine()
+    prompt = list(range(1, 1 + 25 * BT))
+    prefill_and_finish(eng, "a", prompt)
+    full = prompt + list(range(500, 503))
+    assert eng.planner.match_history("v", full, "", None) == 25
+    probe = first_pass(len(full), 25, BUDGET)
+    scores = list(range(22))  # the latest candidates win: blocks 15..22
+    final = final_pass(probe, scores, BUDGET, anchors=[43, 11], anchor_tokens=2)
+    assert final.anchors == (11, 43) and final.history_blocks == (0, 16, 17, 18, 19, 20, 21, 22, 23, 24)
+    assert eng.planner.begin_view_pass("v", final) == 10 * BT + 2
+    eng.tokens["v"] = full
+    eng.planner.set_paged_blocks("v", list(range(300, 307)), replace=True)
+    eng.planner.accept_restore("v", 10 * BT + 2)
+    plan = eng.run({"v": (10 * BT + 2, 3)})
+    (restore,) = plan.restores
+    records = eng.planner.requests["v"].matched
+    row = lambda p: records[p // BT].host_slot * BT + p % BT  # noqa: E731
+    # view: block 0 (0..7), anchor 11 (8), anchor 43 (9), blocks 16..24 (10..81)
+    assert restore.host_rows[8] == row(11) and restore.host_rows[9] == row(43)
+    assert restore.host_rows[10] == row(16 * BT) and restore.host_rows[-1] == row(25 * BT - 1)
+    assert restore.rope_deltas[8] == 8 - 11 and restore.rope_deltas[9] == 9 - 43
+    assert restore.rope_deltas[10] == 10 - 16 * BT and restore.rope_deltas[0] == 0
+    # the new tokens still go to their virtual positions 200..202
+    assert np.array_equal(plan.capture_rope_deltas, [200 - 82] * 3)

@@ -27,6 +27,7 @@ import torch
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.workspace.planner import WorkspacePlanner
+from vllm_sekv.workspace.segments import segment
 from vllm_sekv.workspace.summaries import combine_heads
 from vllm_sekv.workspace.views import (
     PassKind, ViewBudget, ViewPass, final_pass, first_pass, truncated_pass,
@@ -122,8 +123,9 @@ class ViewCoordinator:
         if job.current is None:
             if job.probe is not None:
                 assert job.scores is not None
+                anchor_tokens = job.budget.view_tokens * self.config.anchor_percent // 100
                 view = final_pass(job.probe, job.scores.tolist(), job.budget,
-                                  self.config.view_context_blocks)
+                                  self.config.view_context_blocks, self._anchors(job), anchor_tokens)
             else:
                 matched = self.planner.match_history(job.req_id, job.prompt, job.salt,
                                                      job.session_id)
@@ -150,6 +152,19 @@ class ViewCoordinator:
             if view.samples:
                 compat.clamp_max_tokens(request, self.window_tokens - view.num_tokens)
         return self.planner.begin_view_pass(job.req_id, job.current)
+
+    def _anchors(self, job: ViewJob) -> list[int]:
+        """SeKV anchors of the job's history (virtual positions), the most
+        surprising first; none without recorded surprisal."""
+        if not self.config.anchor_percent:
+            return []
+        surprisal = self.planner.history_surprisal(job.req_id)
+        if surprisal is None or not len(surprisal):
+            return []
+        anchors = segment(surprisal, self.config.anchor_alpha).anchors.numpy()
+        anchors = anchors[anchors > 0]  # token 0 is an anchor by definition, and in the sink
+        order = np.argsort(-np.nan_to_num(surprisal[anchors], nan=0.0), kind="stable")
+        return anchors[order].tolist()
 
     def max_new_tokens(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Stop a non-sampling pass one token short of its end (the sentinel)."""
@@ -225,6 +240,8 @@ class ViewCoordinator:
             out["view_tokens"] = view.num_tokens
             out["block_tokens"] = view.block_tokens
             out["selected_blocks"] = list(view.history_blocks)
+            if view.anchors:
+                out["anchor_tokens"] = len(view.anchors)
         return out
 
     def tokens_of(self, request: Any) -> Sequence[int] | None:

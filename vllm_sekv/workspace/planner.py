@@ -67,6 +67,7 @@ class RequestState:
     # Execution views: the current pass, and the blocks pinned for the whole
     # request (its history, from the first match to the end).
     view: ViewPass | None = None
+    view_virtual: np.ndarray | None = None  # virtual position of each of the view's history tokens
     view_pins: list[BlockRecord] = field(default_factory=list)
     # Figures reported back in the response's kv_transfer_params.
     cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
@@ -209,14 +210,24 @@ class WorkspacePlanner:
         st.view_pins = st.matched
         return usable
 
+    def history_surprisal(self, req_id: str) -> np.ndarray | None:
+        """Surprisal of each token of `req_id`'s matched history, in virtual
+        order (NaN: unknown); None when surprisal is not recorded."""
+        st = self.requests.get(req_id)
+        if self.surprisal is None or st is None:
+            return None
+        slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)
+        return self.surprisal[slots].reshape(-1)
+
     def begin_view_pass(self, req_id: str, view: ViewPass) -> int:
         """Start a pass of `req_id`'s views; returns the tokens vLLM restores
         (the pass's history part)."""
         st = self.requests[req_id]
-        if len(view.history_blocks) and max(view.history_blocks) >= len(st.matched):
+        positions = np.asarray(view.history_positions(), dtype=np.int64)
+        if len(positions) and positions.max() >= len(st.matched) * self.block_tokens:
             raise ValueError(f"request {req_id}: the view holds blocks the match does not")
         self._release_captures(st)
-        st.view = view
+        st.view, st.view_virtual = view, positions
         st.paged_block_ids, st.skip_blocks, st.capture_broken = [], set(), False
         st.pending_restore, st.cached_tokens = None, -1
         st.match_end_tokens = view.history_tokens
@@ -225,17 +236,18 @@ class WorkspacePlanner:
     def _view_sources(self, st: RequestState, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Host rows and re-RoPE deltas (view - virtual) restoring view `positions`."""
         bt = self.block_tokens
-        view_blocks = positions // bt
         if st.view is None:  # same positions: block i of the match restores block first + i
-            index = view_blocks - st.match_first_block
+            index = positions // bt - st.match_first_block
             deltas = np.zeros(len(positions), dtype=np.int64)
-        else:  # st.matched starts at block 0: indexed by virtual block
-            index = np.asarray(st.view.history_blocks, dtype=np.int64)[view_blocks]
-            deltas = (view_blocks - index) * bt
+            virtual = positions
+        else:  # st.matched starts at block 0: view position -> virtual position
+            virtual = st.view_virtual[positions]
+            index = virtual // bt
+            deltas = positions - virtual
         if len(index) and (index.min() < 0 or index.max() >= len(st.matched)):
             raise ValueError(f"request {st.req_id}: restore beyond the matched blocks")
         slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)[index]
-        return slots * bt + positions % bt, deltas
+        return slots * bt + virtual % bt, deltas
 
     # ------------------------------------------------------- per-step planning
 

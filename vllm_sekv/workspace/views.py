@@ -4,15 +4,15 @@ Pure logic, no vLLM or torch. A request whose prompt is longer than its view
 budget is served in *passes*; each pass is an ordinary vLLM request whose
 token sequence is
 
-    history blocks (restored from the workspace, in view order)
+    history (restored from the workspace, in virtual order): whole blocks
+        `history_blocks` and single anchor tokens `anchors`
     + tail (prompt tokens computed in this pass)
     + one sentinel token (only in passes that must not sample)
 
-at positions 0..len-1. History block `j` of a pass holds the workspace block
-whose first token sits at virtual position `history_blocks[j] * block_tokens`
-(its position in the full history), so its keys are re-RoPE'd by
-`(j - history_blocks[j]) * block_tokens`; the tail's tokens are saved at their
-virtual positions, `virtual = view + tail_offset`.
+at positions 0..len-1. The history token at view position `i` is the
+workspace token at virtual position `history_positions()[i]` (its position in
+the full history), so its key is re-RoPE'd by `i - virtual`; the tail's tokens
+are saved at their virtual positions, `virtual = view + tail_offset`.
 
 Passes, in order:
 
@@ -24,7 +24,9 @@ Passes, in order:
   score the candidate blocks (every other history block).
 * `FINAL`: sink + the highest-scoring candidates (original order) + recent +
   the new tokens; this pass samples, and its new and generated tokens are
-  saved at their virtual positions.
+  saved at their virtual positions. SeKV anchors (high-surprisal tokens) of
+  blocks the view leaves out come along as single tokens, in virtual order,
+  within a token budget of their own.
 
 The sentinel makes a pass end one token short of its sequence, so vLLM treats
 it as an unfinished chunked prefill and never samples from it: nothing of an
@@ -73,10 +75,19 @@ class ViewPass:
     tail_start: int  # virtual position of the tail's first token (a block boundary)
     tail_tokens: int  # prompt tokens computed in this pass
     candidates: tuple[int, ...] = ()  # PROBE: the blocks its queries score
+    anchors: tuple[int, ...] = ()  # virtual positions of single anchor tokens, outside history_blocks
 
     @property
     def history_tokens(self) -> int:
-        return len(self.history_blocks) * self.block_tokens
+        return len(self.history_blocks) * self.block_tokens + len(self.anchors)
+
+    def history_positions(self) -> list[int]:
+        """Virtual position of each history token, in view order (= virtual order)."""
+        bt = self.block_tokens
+        out = [p for b in self.history_blocks for p in range(b * bt, (b + 1) * bt)]
+        if self.anchors:
+            out = sorted(out + list(self.anchors))
+        return out
 
     @property
     def samples(self) -> bool:
@@ -92,16 +103,8 @@ class ViewPass:
         """`virtual - view` for every tail (and generated) token."""
         return self.tail_start - self.history_tokens
 
-    def rope_deltas(self) -> list[int]:
-        """Per history block: `view - virtual` position, in tokens."""
-        bt = self.block_tokens
-        return [(j - b) * bt for j, b in enumerate(self.history_blocks)]
-
     def token_ids(self, prompt: Sequence[int]) -> list[int]:
-        bt = self.block_tokens
-        out: list[int] = []
-        for b in self.history_blocks:
-            out.extend(prompt[b * bt : (b + 1) * bt])
+        out = [prompt[p] for p in self.history_positions()]
         end = self.tail_start + self.tail_tokens
         out.extend(prompt[self.tail_start : end])
         if not self.samples:
@@ -155,19 +158,27 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
 
 
 def final_pass(
-    probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0
+    probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
+    anchors: Sequence[int] = (), anchor_tokens: int = 0,
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
     `probe.candidates[i]`; ties go to the later (more recent) block. With
     `context_blocks` > 0, each chosen block brings that many blocks before it
-    (a fact often starts in the block before the one that scores)."""
+    (a fact often starts in the block before the one that scores).
+
+    `anchors`: virtual positions of history anchor tokens, most important
+    first. Those outside the view's blocks, at most `anchor_tokens` of them,
+    join the view as single tokens; the blocks' room shrinks by the whole
+    blocks they take."""
     if probe.kind is not PassKind.PROBE or len(scores) != len(probe.candidates):
         raise ValueError("final_pass needs a PROBE pass and one score per candidate")
     bt = probe.block_tokens
     history = probe.tail_start // bt
     sink, recent = _sink_and_recent(history, budget)
     room = budget.blocks - len(sink) - len(recent) - (-(-probe.tail_tokens // bt))
+    anchor_room = max(0, min(anchor_tokens, (room - 1) * bt)) if anchors else 0
+    room -= -(-anchor_room // bt)
     candidates = set(probe.candidates)
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], -i))
     chosen: set[int] = set()
@@ -178,5 +189,8 @@ def final_pass(
                 chosen.add(b)
         if len(chosen) >= room:
             break
-    return ViewPass(PassKind.FINAL, bt, tuple(sink + sorted(chosen) + recent), probe.tail_start,
-                    probe.tail_tokens)
+    blocks = sink + sorted(chosen) + recent
+    held = set(blocks)
+    kept = [p for p in anchors if p // bt < history and p // bt not in held][:anchor_room]
+    return ViewPass(PassKind.FINAL, bt, tuple(blocks), probe.tail_start, probe.tail_tokens,
+                    anchors=tuple(sorted(kept)))
