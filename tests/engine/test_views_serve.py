@@ -2,71 +2,26 @@
 
 One sekv server whose `--max-model-len` (32768, with
 `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`) is four times SmolLM2's native window
-(8192): views keep every forward pass inside the window. Requests ask for a
-2048-token view budget through `kv_transfer_params`. An agent session reads
-documents step by step until its history passes 16K tokens; a pass key sits
-in an early document, more than the native window back from the question.
+(8192): views keep every forward pass inside the window. The 16K reader
+session of `views_session.py`: requests ask for a 4096-token view budget; a
+pass key sits in an early document, more than the native window back from
+the question.
 """
 import pytest
 
-from test_http_serve import post
-from vllm_sekv.serving import LocalServer
+from views_session import NATIVE_WINDOW, VIEW, needle_block, run_reader_session
+from views_session import sekv_params as sekv
 
 pytestmark = pytest.mark.engine
 
 VLLM_ARGS = ["--max-model-len", "32768", "--enforce-eager", "--dtype", "bfloat16",
              "--gpu-memory-utilization", "0.5"]
 ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "SEKV_HOST_BYTES": "2G"}
-VIEW = {"view_tokens": 4096}
-HISTORY_TOKENS = 16384
-SEED = 3  # the pass key sits at 35% depth, ~10.6K tokens before the question
-NATIVE_WINDOW = 8192
-BT = 32
-
-
-def tool_turn_ends(messages):
-    """Indices just past each tool message: the agent's steps."""
-    return [i + 1 for i, m in enumerate(messages) if m["role"] == "tool"]
-
-
-def needle_block(tok, tasks, task):
-    ids = tasks.render_ids(tok, task.messages)
-    digits = tok.encode(task.answer, add_special_tokens=False)
-    starts = [i for i in range(len(ids)) if ids[i : i + len(digits)] == digits]
-    assert starts, "the pass key's tokens are not in the prompt"
-    return starts[0] // BT, len(ids) - starts[0]
 
 
 @pytest.fixture(scope="module")
 def session(model_dir, eval_tasks):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    task = eval_tasks.generate("passkey", HISTORY_TOKENS, SEED, tok)
-    with LocalServer(model_dir, sekv={}, vllm_args=VLLM_ARGS, env=ENV) as server:
-        steps = []
-        ends = tool_turn_ends(task.messages)
-        for end in ends[3::4] + [ends[-1]]:  # a few documents per step
-            body = {"model": model_dir, "messages": task.messages[:end], "max_tokens": 6,
-                    "temperature": 0, "session_id": "reader", "kv_transfer_params": VIEW}
-            steps.append(post(server.url, "/v1/chat/completions", body))
-        question = {"model": model_dir, "messages": task.messages, "temperature": 0,
-                    "session_id": "reader", "kv_transfer_params": VIEW,
-                    "continue_final_message": True, "add_generation_prompt": False}
-        one = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 1})
-        answer = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 10})
-        # The agent edits its history: it drops the last document it read
-        # (call and result). The workspace is cut there and the question forks
-        # from the kept history.
-        late = max(i for i, m in enumerate(task.messages) if m["role"] == "tool")
-        edited = task.messages[: late - 1] + task.messages[late + 1 :]
-        after_edit = post(server.url, "/v1/chat/completions",
-                          {**question, "messages": edited, "max_tokens": 10})
-    return tok, task, steps, one, answer, after_edit
-
-
-def sekv(response):
-    return response["kv_transfer_params"]["sekv"]
+    return run_reader_session(model_dir, eval_tasks, {}, VLLM_ARGS, ENV)
 
 
 def test_every_step_of_a_16k_session_is_served_from_views(session):

@@ -1,0 +1,63 @@
+"""The 16K reader session that tests/engine/test_views_serve.py (CPU) and
+tests/gpu/test_cuda_views.py (CUDA) serve through a real `vllm serve`.
+
+An agent reads documents step by step until its history passes 16K tokens (a
+pass key sits in an early document, ~10.6K tokens before the question: beyond
+SmolLM2's 8192-token window), asks for the key, then edits its history (drops
+the last document) and asks again. Requests ask for a 4096-token view budget
+through `kv_transfer_params`.
+"""
+from test_http_serve import post
+from vllm_sekv.serving import LocalServer
+
+VIEW = {"view_tokens": 4096}
+HISTORY_TOKENS = 16384
+SEED = 3  # the pass key sits at 35% depth, ~10.6K tokens before the question
+NATIVE_WINDOW = 8192
+BT = 32
+
+
+def tool_turn_ends(messages):
+    """Indices just past each tool message: the agent's steps."""
+    return [i + 1 for i, m in enumerate(messages) if m["role"] == "tool"]
+
+
+def needle_block(tok, tasks, task):
+    """(workspace block holding the pass key's first digit, its distance from the prompt's end)."""
+    ids = tasks.render_ids(tok, task.messages)
+    digits = tok.encode(task.answer, add_special_tokens=False)
+    starts = [i for i in range(len(ids)) if ids[i : i + len(digits)] == digits]
+    assert starts, "the pass key's tokens are not in the prompt"
+    return starts[0] // BT, len(ids) - starts[0]
+
+
+def run_reader_session(model_dir, eval_tasks, sekv, vllm_args, env):
+    """(tokenizer, task, step responses, 1-token answer, answer, answer after the edit)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    task = eval_tasks.generate("passkey", HISTORY_TOKENS, SEED, tok)
+    with LocalServer(model_dir, sekv=sekv, vllm_args=vllm_args, env=env) as server:
+        steps = []
+        ends = tool_turn_ends(task.messages)
+        for end in ends[3::4] + [ends[-1]]:  # a few documents per step
+            body = {"model": model_dir, "messages": task.messages[:end], "max_tokens": 6,
+                    "temperature": 0, "session_id": "reader", "kv_transfer_params": VIEW}
+            steps.append(post(server.url, "/v1/chat/completions", body))
+        question = {"model": model_dir, "messages": task.messages, "temperature": 0,
+                    "session_id": "reader", "kv_transfer_params": VIEW,
+                    "continue_final_message": True, "add_generation_prompt": False}
+        one = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 1})
+        answer = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 10})
+        # The agent edits its history: it drops the last document it read
+        # (call and result). The workspace is cut there and the question forks
+        # from the kept history.
+        late = max(i for i, m in enumerate(task.messages) if m["role"] == "tool")
+        edited = task.messages[: late - 1] + task.messages[late + 1 :]
+        after_edit = post(server.url, "/v1/chat/completions",
+                          {**question, "messages": edited, "max_tokens": 10})
+    return tok, task, steps, one, answer, after_edit
+
+
+def sekv_params(response):
+    return response["kv_transfer_params"]["sekv"]

@@ -1,0 +1,57 @@
+"""Execution views on CUDA, through a real `vllm serve` (run on the GPU
+machine by benchmarks/gpu/run_e2e.sh; skipped without CUDA).
+
+The 16K reader session of tests/engine/views_session.py, on SmolLM2 in bf16
+with piecewise CUDA graphs (the attention hook and the surprisal hook run
+between graph pieces): probes score the index on the queries the hook sees,
+final views restore re-RoPE'd history from the pinned pool (scattered blocks:
+batched restores), every step stays inside the model's window. Served twice:
+with the default index, and with SeKV surprisal on (anchor summaries, anchor
+tokens in the views).
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+from views_session import NATIVE_WINDOW, VIEW, needle_block, run_reader_session  # noqa: E402
+from views_session import sekv_params as sekv  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.engine,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+VLLM_ARGS = ["--max-model-len", "32768", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.4"]
+ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "SEKV_HOST_BYTES": "4G"}
+CONFIGS = {"mean-k": {}, "sekv": {"surprisal": "on", "index_summary": "anchor_pre", "index_combine": "top8"}}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def session(request, model_dir, eval_tasks):
+    return request.param, run_reader_session(model_dir, eval_tasks, CONFIGS[request.param], VLLM_ARGS, ENV)
+
+
+def test_every_step_is_served_from_a_view_inside_the_window(session):
+    _, (_, task, steps, one, answer, _) = session
+    assert task.prompt_tokens >= 2 * NATIVE_WINDOW
+    for r in steps + [answer]:
+        view = sekv(r).get("view")
+        if r["usage"]["prompt_tokens"] > VIEW["view_tokens"]:
+            assert view is not None and view["passes"]["final"] == 1
+            assert view["view_tokens"] <= VIEW["view_tokens"]
+    assert sekv(answer)["prefilled_tokens"] < 200
+    assert one["usage"]["completion_tokens"] == 1 and sekv(one)["view"]["passes"] == {"probe": 1, "final": 1}
+    assert answer["choices"][0]["message"]["content"].startswith(one["choices"][0]["message"]["content"])
+
+
+def test_the_distant_fact_is_selected_and_answered(session, eval_tasks):
+    name, (tok, task, _, _, answer, after_edit) = session
+    block, distance = needle_block(tok, eval_tasks, task)
+    assert distance > NATIVE_WINDOW
+    assert block in sekv(answer)["view"]["selected_blocks"]
+    assert eval_tasks.is_correct(task.answer, answer["choices"][0]["message"]["content"])
+    assert eval_tasks.is_correct(task.answer, after_edit["choices"][0]["message"]["content"])
+    if name == "sekv":
+        assert 0 < sekv(answer)["view"].get("anchor_tokens", 0) <= VIEW["view_tokens"] * 6 // 100
