@@ -70,7 +70,7 @@ class CalibrateArgs:
     lr: float = 5e-3
     sink_tokens: int = 64
     recent_tokens: int = 256
-    use_distance: bool = True
+    use_distance: bool = False      # learned per-head recency term (off: position-free)
     budgets: tuple = (128, 256, 512)   # token budgets for the coverage report
     cache_dir: str = ".cache/router_calibration"
     threads: int = 1
@@ -284,49 +284,60 @@ def _fill(order: list[int], cost: list[int], budget: int) -> list[int]:
     return chosen
 
 
-def _orders(s: dict, router: ZoomRouter, untrained: ZoomRouter) -> dict[str, list[int]]:
-    def rank(x: Tensor) -> list[int]:
-        return torch.argsort(x.float(), descending=True, stable=True).tolist()
-
+def _scores(s: dict, router: ZoomRouter, untrained: ZoomRouter) -> dict[str, tuple[Tensor, bool]]:
+    """{method: (score [S], rank by score per token under a token budget)}."""
     args = (s["q"], s["summary_keys"], s["segment_tokens"], s["distances"])
     summ = s["summary_keys"][:, :, None]                                           # [L, S, 1, H, D]
-    return {"oracle (true attention mass)": rank(s["mass"].sum((0, 1))),
-            "router (trained)": rank(router.scores(*args).combined),
-            "router (untrained)": rank(untrained.scores(*args).combined),
-            "training-free wmean_pre/max": rank(S.score("wmean_pre", s["q"], summ, "max")),
-            "training-free wmean_pre/mean": rank(S.score("wmean_pre", s["q"], summ, "mean")),
-            "most recent first": rank(s["starts"].float())}
+    return {"oracle (true attention mass)": (s["mass"].sum((0, 1)), True),
+            "router (trained)": (router.scores(*args).combined, True),
+            "router (untrained)": (untrained.scores(*args).combined, True),
+            "training-free wmean_pre/max": (S.score("wmean_pre", s["q"], summ, "max"), True),
+            "training-free wmean_pre/mean": (S.score("wmean_pre", s["q"], summ, "mean"), True),
+            "most recent first": (s["starts"].float(), False)}
 
 
 def evaluate(router: ZoomRouter, untrained: ZoomRouter, samples: list[dict], budgets, ks=(8, 16)) -> dict:
-    """Mean coverage per method at token budgets ('tokens=B') and segment counts ('k=K'),
-    plus the kept-only share and the gated router's own choice."""
+    """Mean coverage per method at token budgets ('tokens=B': candidates taken in order of
+    score per token while they fit, as ``ZoomRouter.select`` does) and at k segments ('k=K':
+    the k best scores), the kept-only share, and the gated router's own choice with the
+    gate's precision / recall against "holds > tier_ratios[0] x the uniform share"."""
+    def rank(x: Tensor) -> list[int]:
+        return torch.argsort(x.float(), descending=True, stable=True).tolist()
+
     rows: dict[str, dict[str, list[float]]] = {}
     gated: dict[str, list[float]] = {"coverage": [], "tokens": [], "segments": [], "candidates": []}
-    kept_only = []
+    kept_only, hits, picked, wanted = [], 0, 0, 0
     for s in samples:
         pooled = s["mass"].sum((0, 1))
-        cost = s["segment_tokens"].tolist()
+        n = s["segment_tokens"]
+        cost = n.tolist()
         kept = s["total"] - float(pooled.sum())
         kept_only.append(kept / s["total"])
-        for name, order in _orders(s, router, untrained).items():
+        for name, (score, by_density) in _scores(s, router, untrained).items():
             row = rows.setdefault(name, {})
+            fill_order = rank(score / n if by_density else score)
             for b in budgets:
-                row.setdefault(f"tokens={b}", []).append((kept + float(pooled[_fill(order, cost, b)].sum())) / s["total"])
+                row.setdefault(f"tokens={b}", []).append(
+                    (kept + float(pooled[_fill(fill_order, cost, b)].sum())) / s["total"])
             for k in ks:
-                row.setdefault(f"k={k}", []).append((kept + float(pooled[order[:k]].sum())) / s["total"])
-        sel = router.select(s["q"], s["summary_keys"], s["segment_tokens"], sum(cost), s["distances"])
+                row.setdefault(f"k={k}", []).append((kept + float(pooled[rank(score)[:k]].sum())) / s["total"])
+        sel = router.select(s["q"], s["summary_keys"], n, sum(cost), s["distances"])
         gated["coverage"].append((kept + float(pooled[sel.segments].sum())) / s["total"])
         gated["tokens"].append(sel.tokens)
         gated["segments"].append(int(sel.segments.numel()))
         gated["candidates"].append(len(cost))
+        label = pooled / pooled.sum() * len(cost) > router.tier_ratios[0]
+        hits += int(label[sel.segments].sum())
+        picked += int(sel.segments.numel())
+        wanted += int(label.sum())
 
     def mean(v):
         return sum(v) / len(v)
 
+    g = {c: mean(v) for c, v in gated.items()}
+    g.update(precision=hits / picked if picked else float("nan"), recall=hits / wanted if wanted else float("nan"))
     return {"texts": len(samples), "kept_only": mean(kept_only),
-            "rows": {n: {c: mean(v) for c, v in r.items()} for n, r in rows.items()},
-            "gated": {c: mean(v) for c, v in gated.items()}}
+            "rows": {n: {c: mean(v) for c, v in r.items()} for n, r in rows.items()}, "gated": g}
 
 
 def format_report(res: dict) -> str:
@@ -339,7 +350,8 @@ def format_report(res: dict) -> str:
         lines += [f"| {n} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |" for n, r in ev["rows"].items()]
         g = ev["gated"]
         lines.append(f"router gate alone (no budget): expands {g['segments']:.1f} of {g['candidates']:.1f} "
-                     f"candidate segments, {g['tokens']:.0f} tokens, coverage {g['coverage']:.3f}")
+                     f"candidate segments, {g['tokens']:.0f} tokens, coverage {g['coverage']:.3f}; gate "
+                     f"precision {g['precision']:.2f}, recall {g['recall']:.2f}")
     return "\n".join(lines)
 
 

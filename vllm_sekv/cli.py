@@ -133,20 +133,22 @@ def _calibrate(argv: list[str]) -> int:
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--sink-tokens", type=int, default=d.sink_tokens, help="history kept from the start")
     parser.add_argument("--recent-tokens", type=int, default=d.recent_tokens, help="history kept from the end")
-    parser.add_argument("--no-distance", action="store_true", help="position-free router (no recency term)")
+    parser.add_argument("--distance", action="store_true",
+                        help="add a learned per-head recency term (default: position-free router)")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(d.budgets), help="report: token budgets")
     parser.add_argument("--cache-dir", default=d.cache_dir, help="captured samples (re-runs skip the model)")
     parser.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
     a = parser.parse_args(argv)
     from vllm_sekv.calibrate import format_report, run
+    from vllm_sekv.models import ModelPackageMissing
 
     args = CalibrateArgs(model=a.model, out=a.out, texts=a.texts, heldout=a.heldout, tokens=a.tokens,
                          new_tokens=a.new_tokens, steps=a.steps, alpha=a.alpha, seed=a.seed, lr=a.lr,
-                         sink_tokens=a.sink_tokens, recent_tokens=a.recent_tokens, use_distance=not a.no_distance, budgets=tuple(a.budgets), cache_dir=a.cache_dir,
-                         threads=a.threads)
+                         sink_tokens=a.sink_tokens, recent_tokens=a.recent_tokens, use_distance=a.distance,
+                         budgets=tuple(a.budgets), cache_dir=a.cache_dir, threads=a.threads)
     try:
         res = run(args)
-    except ValueError as e:
+    except (ValueError, ModelPackageMissing) as e:
         print(f"vllm-sekv: {e}", file=sys.stderr)
         return 2
     print(format_report(res))

@@ -147,9 +147,10 @@ class SekvConfig:
     # Blocks before each selected block that the view takes along with it.
     view_context_blocks: int = 0
     # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
-    # ("" = no router: the training-free index above selects). Checked at
-    # start-up: the file must exist and be a valid router file, and its model
-    # fingerprint must match the served model (`workspace.router.load_router`).
+    # ("" = no router: the training-free index above selects). Checked here, at
+    # start-up: the file must exist and be a valid router file; its model
+    # fingerprint is checked against the served model by
+    # `workspace.router.load_router`. Not yet used by the views' selection.
     router_path: str = ""
 
     _SIZES = ("host_bytes", "nvme_bytes")

@@ -20,25 +20,34 @@ and the new tokens' pre-RoPE queries:
     p[l,h,s]       = mean_m softmax_s(logit)                   (per-head share)
     P[s]           = sum_{l,h} pi[l,h] * p[l,h,s],  pi = softmax(head_logit)
 
-``P`` (a distribution over candidates) ranks segments; ``gamma`` exists only with
-``use_distance`` (a learned per-head recency bias; without it the score is
-position-free and works at any distance).
+``P`` (a distribution over candidates) ranks segments. ``gamma`` (a learned
+per-head recency bias) exists only with ``use_distance``; off by default: the
+score is then position-free and means the same at any distance, also beyond
+the model's window and the distances calibration saw (on SmolLM2 the recency
+term added 1.2-1.6 points of held-out coverage at 256-512 tokens; see
+``benchmarks/results/router_calibration.md``).
 
 **Gate and rank (per-head thresholds).** Head ``(l,h)`` votes for segment ``s``
 at tier ``j`` with ``sigmoid(log(S * p[l,h,s]) - tau[l,h] - delta_j)`` (its share
-against ``tau`` times the uniform share ``1/S``); ``E_j[s] = sum pi * vote`` and
-``tier[s] = #{j : E_j[s] > 1/2}`` (``delta_0 = 0 < delta_1 < delta_2``, learned).
-Tier 0 keeps the segment coarse (its summary); tiers 1..3 expand it at rank
-``rank_levels[tier]`` = 8, 16, full (:data:`FULL_RANK`). Training
-(:func:`distillation_loss`): KL from the frozen model's true attention mass to
-``P`` and to each ``p[l,h]``, plus a BCE teaching the tiers that a segment holding
-more than ``tier_ratios = (2, 4, 8)`` times its uniform share of the candidates'
-mass deserves tier 1, 2, 3 (the BCE moves only ``tau`` and ``delta``).
+against ``tau`` times the uniform share ``1/S``); the votes' ``pi``-weighted share
+``V_j[s]`` is compared with a learned cut ``c``: ``E_j[s] = sigmoid(kappa * (V_j[s] - c))``
+and ``tier[s] = #{j : V_j[s] > c}`` (``delta_0 = 0 < delta_1 < delta_2``, ``c`` and
+``kappa`` learned). Tier 0 keeps the segment coarse (its summary); tiers 1..3
+expand it at rank ``rank_levels[tier]`` = 8, 16, full (:data:`FULL_RANK`).
+Training (:func:`distillation_loss`): KL from the frozen model's true attention
+mass to ``P`` and to each ``p[l,h]``, plus a BCE teaching the tiers that a
+segment holding more than ``tier_ratios = (2, 4, 8)`` times its uniform share of
+the candidates' mass deserves tier 1, 2, 3 (the BCE moves only ``tau``,
+``delta``, ``c`` and ``kappa``).
 
-**Budget.** ``L * (d' * D + 4 * Hq) + 2`` parameters (``3 * Hq`` without
+**Selection** fills a token budget greedily in order of ``P[s] / n_s`` (estimated
+attention mass per token a segment adds: the greedy rule for a knapsack of
+tokens), skipping segments that do not fit.
+
+**Budget.** ``L * (d' * D + 3 * Hq) + 4`` parameters (``4 * Hq`` with
 distance) must stay under :data:`PARAM_BUDGET_FRACTION` (0.05%) of the model's:
-SmolLM2-135M (30 layers, D 64, Hq 9) 62,522 of 67,257 allowed; Llama-3-8B
-(32 layers, D 128, Hq 32) 135,170 of 4.0M. A deeper or narrower model that
+SmolLM2-135M (30 layers, D 64, Hq 9) 62,254 of 67,257 allowed; Llama-3-8B
+(32 layers, D 128, Hq 32) 134,148 of 4.0M. A deeper or narrower model that
 does not fit passes fewer ``layers``; the constructor raises ``ValueError``.
 
 **File** (:meth:`ZoomRouter.save` / :meth:`ZoomRouter.load`): ``torch.save`` of a
@@ -118,7 +127,7 @@ def check_budget(num_params: int, model_params: int, fraction: float = PARAM_BUD
 
 @dataclass
 class RouterScores:
-    """per_head [Lr, Hq, S] (p), combined [S] (P), tier_probs [J, S] (E_j)."""
+    """per_head [Lr, Hq, S] (p), combined [S] (P), tier_probs [J, S] (E_j; > 1/2 iff V_j > c)."""
 
     per_head: Tensor
     combined: Tensor
@@ -134,7 +143,8 @@ class RouterScores:
 class Selection:
     """segments: indices (ascending, int64) of the segments to expand; ranks: their
     rank levels (int64; :data:`FULL_RANK` = full); tokens: the tokens they add;
-    scores: [S] combined score of every candidate (ranking, best = highest)."""
+    scores: [S] combined score ``P`` of every candidate (the fill order is
+    ``scores / segment_tokens``, best = highest)."""
 
     segments: Tensor
     ranks: Tensor
@@ -152,7 +162,7 @@ class ZoomRouter(nn.Module):
     """The trained SeKV zoom router (see the module docstring for the maths)."""
 
     def __init__(self, geometry: RouterGeometry, proj_dim: int = 32, layers: Optional[Sequence[int]] = None,
-                 use_distance: bool = True, tier_ratios: Sequence[float] = DEFAULT_TIER_RATIOS,
+                 use_distance: bool = False, tier_ratios: Sequence[float] = DEFAULT_TIER_RATIOS,
                  rank_levels: Sequence[int] = DEFAULT_RANK_LEVELS, seed: int = 0) -> None:
         super().__init__()
         if not isinstance(geometry, RouterGeometry):
@@ -184,6 +194,8 @@ class ZoomRouter(nn.Module):
         self.threshold = nn.Parameter(torch.full((lr, hq), math.log(ratios[0])))   # tau
         self.tier_gaps = nn.Parameter(torch.tensor([math.log(math.expm1(math.log(b / a)))
                                                     for a, b in zip(ratios, ratios[1:])]))
+        self.vote_cut = nn.Parameter(torch.zeros(()))                             # c = sigmoid(.)
+        self.vote_log_scale = nn.Parameter(torch.tensor(math.log(10.0)))          # kappa = exp(.)
         check_budget(self.num_parameters(), geometry.model_params)
 
     # ------------------------------------------------------------ introspection
@@ -247,7 +259,8 @@ class ZoomRouter(nn.Module):
         x = torch.log((per_head * s).clamp_min(1e-12))                              # log(S p)
         votes = torch.sigmoid(x[None] - self.threshold[None, ..., None]
                               - self.tier_offsets()[:, None, None, None])          # [J, Lr, Hq, S]
-        return (pi[None] * votes).sum((1, 2))                                       # [J, S]
+        share = (pi[None] * votes).sum((1, 2))                                      # V: [J, S]
+        return torch.sigmoid(self.vote_log_scale.exp() * (share - torch.sigmoid(self.vote_cut)))
 
     @torch.no_grad()
     def scores(self, queries: Tensor, summary_keys: Tensor, segment_tokens: Tensor,
@@ -260,8 +273,8 @@ class ZoomRouter(nn.Module):
                distances: Optional[Tensor] = None, use_gate: bool = True) -> Selection:
         """Segments to expand within ``token_budget`` tokens (sum of their ``segment_tokens``).
 
-        Candidates in order of the combined score (ties: lower index) are taken
-        greedily while they fit; one that does not fit is skipped. With
+        Candidates in order of ``P[s] / segment_tokens[s]`` (ties: lower index) are
+        taken greedily while they fit; one that does not fit is skipped. With
         ``use_gate`` only tier >= 1 segments are eligible (the router may leave
         budget unused); without it the budget is filled by rank and an eligible
         tier-0 segment is expanded at the lowest expand rank. Deterministic.
@@ -274,7 +287,8 @@ class ZoomRouter(nn.Module):
             return Selection(empty, empty.clone(), 0, torch.zeros(0))
         sc = self.forward(queries, summary_keys, segment_tokens, distances)
         combined, tiers = sc.combined.float().cpu(), sc.tiers.cpu()
-        order = torch.argsort(combined, descending=True, stable=True).tolist()
+        density = combined / segment_tokens.to("cpu", torch.float32)
+        order = torch.argsort(density, descending=True, stable=True).tolist()
         cost = segment_tokens.to("cpu", torch.int64).tolist()
         chosen, used = [], 0
         for i in order:
