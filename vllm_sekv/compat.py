@@ -246,6 +246,23 @@ class KVGeometry:
     world_size: int  # ranks that each hold their own share of every block
 
 
+def router_geometry(vllm_config: "VllmConfig") -> Any:
+    """The served model's fingerprint as the SeKV router file records it."""
+    from vllm_sekv.workspace.router import RouterGeometry
+
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    params = int(getattr(hf, "num_parameters", 0) or 0) or 1  # informative only (see RouterGeometry)
+    return RouterGeometry(
+        num_layers=mc.get_num_layers(vllm_config.parallel_config),
+        num_q_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
+        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+        head_dim=mc.get_head_size(),
+        model_params=params,
+        name=str(mc.model),
+    )
+
+
 def worker_rank() -> int:
     """This worker's tensor-parallel rank (which share of each block it holds)."""
     from vllm.distributed import get_tensor_model_parallel_rank

@@ -150,7 +150,9 @@ class SekvConfig:
     # ("" = no router: the training-free index above selects). Checked here, at
     # start-up: the file must exist and be a valid router file; its model
     # fingerprint is checked against the served model by
-    # `workspace.router.load_router`. Not yet used by the views' selection.
+    # `workspace.router.load_router`. With a router (and `surprisal` on) the
+    # views' probes rank blocks by the router's relevance of their
+    # surprisal-weighted mean keys instead of `index_summary` / `index_combine`.
     router_path: str = ""
 
     _SIZES = ("host_bytes", "nvme_bytes")
@@ -209,6 +211,9 @@ class SekvConfig:
                 f"sekv config 'min_restore_tokens': must not be negative, got {self.min_restore_tokens}"
             )
         if self.router_path:
+            if self.surprisal != "on":
+                raise ValueError("sekv config 'router_path': the zoom router scores surprisal-weighted "
+                                 "summaries; set 'surprisal' to on")
             # torch is imported only when a router is configured; raises naming 'router_path'
             from vllm_sekv.workspace.router import read_router_file
 

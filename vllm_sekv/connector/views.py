@@ -207,6 +207,9 @@ class ViewCoordinator:
             job.scores = np.arange(len(job.current.candidates), dtype=np.float32)
             logger.warning("sekv: probe of %s scored no query; the view takes recent blocks", req_id)
             return
+        if self.config.router_path:  # the router's combined relevance, one row
+            job.scores = rows.sum(axis=0).astype(np.float32)
+            return
         job.scores = combine_heads(torch.from_numpy(rows), self.config.index_combine).numpy()
 
     # ------------------------------------------------------------- the end

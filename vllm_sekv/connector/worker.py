@@ -55,6 +55,7 @@ from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
 from vllm_sekv.workspace.plan import ScoreOp, StepPlan
+from vllm_sekv.workspace.router import load_router
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -62,6 +63,9 @@ logger = logging.getLogger("vllm_sekv")
 # runs at least this long on average: each pitched copy then moves >= 8 slots'
 # layer (>= 256 KiB with 16-token blocks), close to one large copy's speed.
 LAYERWISE_MIN_RUN_BLOCKS = 8
+# With a zoom router the index holds what it was trained on: surprisal-weighted
+# mean pre-RoPE keys (here one per block; calibration used surprisal segments).
+ROUTER_SUMMARY = "wmean_pre"
 
 
 class SekvWorkerSide:
@@ -98,6 +102,9 @@ class SekvWorkerSide:
         self.surprisal: SurprisalRecorder | None = None
         self._index_surprisal: dict[int, np.ndarray] = {}
         self._step_mapping: np.ndarray | None = None  # this step's slot mapping (set by the first layer)
+        # SeKV zoom router (config `router_path`): scores probes instead of Mean-K.
+        self.router: Any = None
+        self._router_queries: dict[str, list[list[torch.Tensor]]] = {}  # req_id -> per layer
 
     # ---------------------------------------------------------------- set-up
 
@@ -127,8 +134,13 @@ class SekvWorkerSide:
             if self.config.restore_mode == "layerwise" and not cudart.available():
                 raise ValueError("sekv config 'restore_mode': layerwise needs the CUDA runtime library "
                                  "(libcudart) that torch loads, and none was found; use auto or batched")
-        self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim,
-                                self.rope, kind=self.config.index_summary)
+        if self.config.router_path:
+            if geo.world_size > 1:
+                raise ValueError("sekv config 'router_path': the zoom router needs every query head "
+                                 "on one rank; tensor parallelism is not supported yet")
+            self.router = load_router(self.config, compat.router_geometry(self.vllm_config))
+        kind = ROUTER_SUMMARY if self.router is not None else self.config.index_summary
+        self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind)
         if self.config.surprisal == "on":
             model = compat.model_of_caller()
             if model is None:
@@ -344,6 +356,9 @@ class SekvWorkerSide:
         layer_idx = self.layer_of[layer.layer_name]
         head_dim = self.geometry.head_dim
         for op, rows, positions in probes:
+            if self.router is not None:
+                self._route(op, layer_idx, query, rows, positions)
+                continue
             acc = self._score_acc.get(op.req_id)
             if len(rows):
                 q = query[rows].reshape(len(rows), -1, head_dim).float().cpu()
@@ -363,6 +378,30 @@ class SekvWorkerSide:
                     else np.zeros((0, len(op.candidate_slots)), dtype=np.float32)
                 )
                 self.stats.add("probes", 1)
+
+    def _route(self, op: ScoreOp, layer_idx: int, query: torch.Tensor, rows: torch.Tensor,
+               positions: torch.Tensor) -> None:
+        """SeKV zoom router: keep the probe's pre-RoPE queries layer by layer;
+        after the last layer of its last step, the router scores the candidate
+        blocks' surprisal-weighted mean keys with all of them (one row: the
+        router's combined relevance `P`, over layers and heads)."""
+        kept = self._router_queries.setdefault(op.req_id, [[] for _ in range(self.geometry.num_layers)])
+        if len(rows):
+            q = query[rows].reshape(len(rows), -1, self.geometry.head_dim).float().cpu()
+            kept[layer_idx].append(rotate_keys(q, -positions, self.rope))
+        if not (op.last and layer_idx == self.geometry.num_layers - 1):
+            return
+        del self._router_queries[op.req_id]
+        slots = torch.from_numpy(op.candidate_slots)
+        valid = self.index.valid[slots]
+        combined = torch.zeros(len(slots), dtype=torch.float32)
+        if valid.any() and kept[0]:
+            queries = torch.stack([torch.cat(chunks) for chunks in kept])  # [L, M, Hq, D]
+            keys = self.index.entries[slots[valid], :, 0].float().transpose(0, 1)  # [L, B', H, D]
+            tokens = torch.full((keys.shape[1],), self.config.block_tokens, dtype=torch.int64)
+            combined[valid] = self.router.scores(queries, keys, tokens).combined.float().cpu()
+        self._scores_done[op.req_id] = combined[None].numpy()
+        self.stats.add("probes", 1)
 
     def build_worker_meta(self) -> SekvWorkerMeta | None:
         plan = self._plan
