@@ -246,8 +246,10 @@ def test_router_path_config_key(tmp_path):
     assert SekvConfig().router_path == "" and load_router(SekvConfig(), TINY) is None
     path = str(tmp_path / "router.pt")
     _perturbed().save(path)
-    cfg = SekvConfig.from_sources({"router_path": path}, environ={})
+    cfg = SekvConfig.from_sources({"router_path": path, "surprisal": "on"}, environ={})
     assert isinstance(load_router(cfg, TINY), ZoomRouter)
+    with pytest.raises(ValueError, match="'router_path'.*surprisal"):
+        SekvConfig.from_sources({"router_path": path}, environ={})
     assert isinstance(read_router_file(path), ZoomRouter)
     with pytest.raises(ValueError, match="'router_path'.*num_layers"):
         load_router(cfg, RouterGeometry(3, 4, 2, 16, 1, "tiny"))
@@ -255,6 +257,6 @@ def test_router_path_config_key(tmp_path):
     bad.write_bytes(b"garbage")
     for value in (str(bad), str(tmp_path / "missing.pt"), str(tmp_path)):
         with pytest.raises(ValueError, match="'router_path'"):
-            SekvConfig.from_sources({"router_path": value}, environ={})
+            SekvConfig.from_sources({"router_path": value, "surprisal": "on"}, environ={})
     with pytest.raises(ValueError, match="'router_path'"):
         SekvConfig.from_sources({}, environ={"SEKV_ROUTER_PATH": str(bad)})
