@@ -96,7 +96,9 @@ class SekvWorkerSide:
         self._scores_done: dict[str, np.ndarray] = {}
         # Committed blocks not indexed yet: indexed in one batch when a probe
         # needs the index, never in steps that do not (restores stay lean).
-        self._index_pending: list[tuple[int, int]] = []
+        # slot -> first token's virtual position; a reused slot: its last block
+        # counts, so this never holds more than one entry per host slot.
+        self._index_pending: dict[int, int] = {}
         # SeKV: the model's own surprisal of captured tokens (config `surprisal`),
         # and per host slot the surprisal the scheduler side sent for indexing.
         self.surprisal: SurprisalRecorder | None = None
@@ -157,7 +159,8 @@ class SekvWorkerSide:
     def bind(self, metadata: SekvMetadata) -> None:
         plan = self._plan = metadata.plan
         self._capture_rows = self._probe_rows = self._step_mapping = None
-        self._index_surprisal.update(plan.index_surprisal)
+        if self.index is not None and self.index.kind.uses_weights:
+            self._index_surprisal.update(plan.index_surprisal)  # one entry per host slot at most
         if self.surprisal is not None:
             self.surprisal.bind(plan.surprisal, self._step_rows)
         if self.records is not None:
@@ -172,15 +175,14 @@ class SekvWorkerSide:
         plan = self._plan
         if plan is None or self.pool is None:
             return
-        self._index_pending.extend(plan.index_blocks)
+        self._index_pending.update(plan.index_blocks)
         if plan.scores and self._index_pending:
-            latest = dict(self._index_pending)  # a reused slot: its last block counts
+            latest, self._index_pending = self._index_pending, {}
             surprisal = None
             if self.index.kind.uses_weights:
                 nan = np.full(self.config.block_tokens, np.nan, dtype=np.float32)
                 surprisal = torch.from_numpy(np.stack([self._index_surprisal.pop(s, nan) for s in latest]))
             self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
-            self._index_pending = []
         if self.pipeline is not None and plan.restores:
             self._restore_cuda(forward_context, plan.restores)
         for op in plan.restores:
@@ -437,7 +439,7 @@ class SekvWorkerSide:
         out = []
         for done in self.records.drain():
             if done.ok and done.kind == "read":
-                self._index_pending.append((done.host_slot, done.start_token))
+                self._index_pending[done.host_slot] = done.start_token
                 self.stats.add("nvme_read_blocks", 1)
             elif done.ok:
                 self.stats.add("nvme_written_blocks", 1)
