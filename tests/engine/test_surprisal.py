@@ -3,10 +3,12 @@ token equals vLLM's own prompt logprobs of the same tokens, through chunked
 prefill (the stash carries a chunk's last hidden state to the next chunk) and
 decode steps (each step's token is scored by the previous step's state).
 
-Two engines, each in its own process: sekv serving a 1,200-token prompt in
-256-token chunks plus 24 greedy tokens; plain vLLM computing `prompt_logprobs`
-of prompt + those tokens. bf16 on CPU; the chunks line up, decode does not
-(one token per step against a prefill chunk), hence a small tolerance.
+Engines, each in its own process: sekv serving a 1,200-token prompt in
+256-token chunks plus 24 greedy tokens, its blocks written to an NVMe folder;
+plain vLLM computing `prompt_logprobs` of prompt + those tokens; a fresh sekv
+engine restoring the prompt from that folder, whose surprisal comes back from
+the records. bf16 on CPU; the chunks line up, decode does not (one token per
+step against a prefill chunk), hence a small tolerance there.
 """
 import json
 import math
@@ -36,7 +38,8 @@ def test_recorded_surprisal_equals_vllms_prompt_logprobs(tmp_path, model_dir, es
 
     ids = AutoTokenizer.from_pretrained(model_dir)(essay)["input_ids"][:PROMPT_TOKENS]
     base = {"model": model_dir, "max_tokens": MAX_TOKENS, "max_num_batched_tokens": CHUNK_TOKENS}
-    sekv = run(tmp_path, {**base, "mode": "sekv", "prompt_token_ids": ids})
+    nvme = str(tmp_path / "nvme")
+    sekv = run(tmp_path, {**base, "mode": "sekv", "prompt_token_ids": ids, "nvme_dir": nvme})
     full = ids + sekv["output_token_ids"]
     plain = run(tmp_path, {**base, "mode": "plain", "prompt_token_ids": full})
     recorded = sekv["surprisal"]
@@ -49,3 +52,11 @@ def test_recorded_surprisal_equals_vllms_prompt_logprobs(tmp_path, model_dir, es
     decode_err = max((abs(r - e) for r, e in pairs[PROMPT_TOKENS - 1:]), default=0.0)
     assert prompt_err <= 1e-3, prompt_err  # same chunks, same kernels
     assert decode_err <= 0.1, decode_err  # one token per step vs a prefill chunk, bf16
+
+    # A fresh engine restores the prompt's blocks from disk, with their surprisal.
+    restored = run(tmp_path, {**base, "mode": "restore", "prompt_token_ids": ids, "nvme_dir": nvme})
+    assert restored["kv_transfer_params"]["sekv"]["restored_tokens"]["nvme"] >= PROMPT_TOKENS - 32
+    n = len(restored["surprisal"])
+    assert n >= PROMPT_TOKENS - 32
+    back = restored["surprisal"]
+    assert all(math.isnan(a) and math.isnan(b) or a == b for a, b in zip(back, recorded[:n]))

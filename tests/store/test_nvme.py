@@ -45,6 +45,28 @@ def test_round_trip_is_bit_identical(tmp_path, o_direct):
     assert torch.equal(pool.data[3].view(torch.int16), original.view(torch.int16))
 
 
+def test_surprisal_rides_in_the_header_and_a_damaged_copy_is_only_unknown(tmp_path):
+    import numpy as np
+
+    pool, io = make_io(tmp_path)
+    surprisal = np.array([np.nan, 0.5, 7.25, 1.0, 0.0, 3.5, 12.0, 2.0], dtype=np.float32)
+    io.submit_write(0, H0, 0, surprisal)
+    io.submit_write(1, H1, 8)  # no surprisal: as records written before it existed
+    assert all(d.ok for d in io.drain(wait=True))
+    io.submit_read(H0, 2, 0)
+    io.submit_read(H1, 3, 8)
+    got = {d.block_hash: d for d in io.drain(wait=True)}
+    assert got[H0].ok and np.array_equal(got[H0].surprisal, surprisal, equal_nan=True)
+    assert got[H1].ok and got[H1].surprisal is None
+    path = io.layout.block_path(H0, 0)
+    raw = bytearray(path.read_bytes())
+    raw[80] ^= 0xFF  # inside the surprisal values (header bytes 68..99), outside the checked payload
+    path.write_bytes(bytes(raw))
+    io.submit_read(H0, 2, 0)
+    (done,) = io.drain(wait=True)
+    assert done.ok and done.surprisal is None  # the KV is intact; its surprisal is unknown
+
+
 def test_scan_finds_records_and_skips_junk(tmp_path):
     pool, io = make_io(tmp_path)
     write_and_wait(io, 0, H0, start=0)

@@ -103,6 +103,7 @@ class SekvWorkerSide:
         # and per host slot the surprisal the scheduler side sent for indexing.
         self.surprisal: SurprisalRecorder | None = None
         self._index_surprisal: dict[int, np.ndarray] = {}
+        self._read_surprisal: list[tuple[np.ndarray, np.ndarray]] = []  # (host rows, values) read back
         self._step_mapping: np.ndarray | None = None  # this step's slot mapping (set by the first layer)
         # SeKV zoom router (config `router_path`): scores probes instead of Mean-K.
         self.router: Any = None
@@ -167,7 +168,7 @@ class SekvWorkerSide:
             for block_hash in plan.nvme_deletes:
                 self.records.delete_now(block_hash)
             for slot, block_hash, start_token in plan.nvme_writes:
-                self.records.submit_write(slot, block_hash, start_token)
+                self.records.submit_write(slot, block_hash, start_token, plan.nvme_write_surprisal.get(slot))
             for block_hash, slot, start_token in plan.nvme_reads:
                 self.records.submit_read(block_hash, slot, start_token)
 
@@ -423,13 +424,18 @@ class SekvWorkerSide:
             self.stats.add("restore_seconds", seconds)
         self._restore_events = []
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
-        surprisal = None
+        nvme = self._drain_nvme()
+        parts, self._read_surprisal = self._read_surprisal, []  # blocks read back: their records' surprisal
         if self.surprisal is not None:
-            surprisal = self.surprisal.take()
-            if surprisal is not None:
-                self.stats.add("surprisal_tokens", len(surprisal[0]))
+            recorded = self.surprisal.take()
+            if recorded is not None:
+                self.stats.add("surprisal_tokens", len(recorded[0]))
+                parts.append(recorded)
+        surprisal = None
+        if parts:
+            surprisal = (np.concatenate([r for r, _ in parts]), np.concatenate([v for _, v in parts]))
         meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
-                              self._drain_nvme(), self._scores_done, surprisal)
+                              nvme, self._scores_done, surprisal)
         self._failed_slots, self._restore_seconds, self._scores_done = set(), {}, {}
         return meta
 
@@ -440,6 +446,11 @@ class SekvWorkerSide:
         for done in self.records.drain():
             if done.ok and done.kind == "read":
                 self._index_pending[done.host_slot] = done.start_token
+                if done.surprisal is not None and len(done.surprisal) == self.config.block_tokens:
+                    rows = done.host_slot * self.config.block_tokens + np.arange(self.config.block_tokens)
+                    self._read_surprisal.append((rows, done.surprisal))
+                    if self.index is not None and self.index.kind.uses_weights:
+                        self._index_surprisal[done.host_slot] = done.surprisal
                 self.stats.add("nvme_read_blocks", 1)
             elif done.ok:
                 self.stats.add("nvme_written_blocks", 1)

@@ -9,7 +9,9 @@ can share a directory and a block is never read back by the wrong model):
     <nvme_dir>/<fingerprint>/tmp/             writes in progress
 
 A record is a 4 KiB header followed by the block's bytes (the host pool's slot
-layout), padded to 4 KiB. File names come from content hashes only (which cover
+layout), padded to 4 KiB. The header may also carry the block's per-token
+surprisal (SeKV; float32, with its own CRC32): metadata, so a damaged copy
+only makes it unknown, never fails the read. File names come from content hashes only (which cover
 the tenant's salt); client-supplied names never become paths. A write goes to
 tmp/ and is renamed into blocks/ when complete, so a crash leaves no record
 under blocks/ that was not written whole; the payload's checksum, checked on
@@ -39,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("vllm_sekv")
@@ -51,6 +54,10 @@ ALIGN_BYTES = 4096
 # checksum of the payload, rank
 _HEADER = struct.Struct("<8sI16sqqIQi")
 CHECKSUM_CRC32, CHECKSUM_XXH3 = 1, 2
+# After the header struct: surprisal count (0: none), CRC32 of the values, then
+# float32 x count. Records written before it have zeros there: no surprisal.
+_SURPRISAL = struct.Struct("<II")
+MAX_SURPRISAL_TOKENS = (HEADER_BYTES - _HEADER.size - _SURPRISAL.size) // 4
 
 
 def _checksum_fn(kind: int):
@@ -193,6 +200,7 @@ class Completion:
     host_slot: int = -1
     start_token: int = 0
     reason: str = ""
+    surprisal: np.ndarray | None = None  # a read's per-token surprisal, if its record has it
 
 
 class RecordIO:
@@ -234,8 +242,10 @@ class RecordIO:
 
     # ------------------------------------------------------------- public
 
-    def submit_write(self, host_slot: int, block_hash: bytes, start_token: int) -> None:
-        self._futures.append(self._executor.submit(self._write, host_slot, block_hash, start_token))
+    def submit_write(self, host_slot: int, block_hash: bytes, start_token: int,
+                     surprisal: np.ndarray | None = None) -> None:
+        """`surprisal` ([block_tokens] float32, optional) is stored in the header."""
+        self._futures.append(self._executor.submit(self._write, host_slot, block_hash, start_token, surprisal))
 
     def submit_read(self, block_hash: bytes, host_slot: int, start_token: int) -> None:
         self._futures.append(self._executor.submit(self._read, block_hash, host_slot, start_token))
@@ -277,15 +287,17 @@ class RecordIO:
     def _open(self, path: Path, flags: int) -> int:
         return os.open(path, flags | (os.O_DIRECT if self.o_direct else 0), 0o644)
 
-    def _write(self, host_slot: int, block_hash: bytes, start_token: int) -> Completion:
+    def _write(self, host_slot: int, block_hash: bytes, start_token: int,
+               surprisal: np.ndarray | None = None) -> Completion:
         tmp = self.layout.tmp / f"{block_hash.hex()}.r{self.rank}.{os.getpid()}.tmp"
         final = self.layout.block_path(block_hash, self.rank)
         try:
             payload = self._slot_bytes(host_slot)
             header, bounce = self._buffers()
             checksum = _checksum_fn(self.checksum_kind)(payload)
-            header[:] = _HEADER.pack(MAGIC, FORMAT_VERSION, block_hash, start_token, self.payload_bytes,
-                                     self.checksum_kind, checksum, self.rank).ljust(HEADER_BYTES, b"\0")
+            header[:] = (_HEADER.pack(MAGIC, FORMAT_VERSION, block_hash, start_token, self.payload_bytes,
+                                      self.checksum_kind, checksum, self.rank)
+                         + _pack_surprisal(surprisal)).ljust(HEADER_BYTES, b"\0")
             if bounce is not None:
                 bounce[: self.payload_bytes] = payload
                 body = bounce
@@ -327,9 +339,29 @@ class RecordIO:
                 slot[:] = memoryview(bounce)[:size]
             if _checksum_fn(kind)(slot) != checksum:
                 raise ValueError("checksum mismatch")
-            return Completion("read", block_hash, True, host_slot, start_token)
+            return Completion("read", block_hash, True, host_slot, start_token,
+                              surprisal=_unpack_surprisal(header))
         except (OSError, ValueError, ImportError, struct.error) as e:
             return Completion("read", block_hash, False, host_slot, start_token, _reason(e))
+
+
+def _pack_surprisal(surprisal: np.ndarray | None) -> bytes:
+    if surprisal is None or not len(surprisal):
+        return _SURPRISAL.pack(0, 0)
+    values = np.ascontiguousarray(surprisal, dtype=np.float32)[:MAX_SURPRISAL_TOKENS].tobytes()
+    return _SURPRISAL.pack(len(values) // 4, zlib.crc32(values)) + values
+
+
+def _unpack_surprisal(header: mmap.mmap) -> np.ndarray | None:
+    """The header's surprisal, or None (absent, or its CRC does not match)."""
+    count, crc = _SURPRISAL.unpack_from(header, _HEADER.size)
+    if not 0 < count <= MAX_SURPRISAL_TOKENS:
+        return None
+    start = _HEADER.size + _SURPRISAL.size
+    values = bytes(header[start : start + 4 * count])
+    if zlib.crc32(values) != crc:
+        return None
+    return np.frombuffer(values, dtype=np.float32).copy()
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:

@@ -83,4 +83,7 @@ class StepPlan:
     # step report. Deletes run first, before any write of the same step.
     nvme_deletes: list[bytes] = field(default_factory=list)
     nvme_writes: list[tuple[int, bytes, int]] = field(default_factory=list)  # (slot, hash, start)
+    # Per-token surprisal of the written blocks (host slot -> [block_tokens]
+    # float32), kept in their records' headers; empty when not recorded.
+    nvme_write_surprisal: dict[int, np.ndarray] = field(default_factory=dict)
     nvme_reads: list[tuple[bytes, int, int]] = field(default_factory=list)  # (hash, slot, start)

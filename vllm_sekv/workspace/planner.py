@@ -318,6 +318,8 @@ class WorkspacePlanner:
             step.index_surprisal = {slot: self.surprisal[slot].copy() for slot, _ in step.index_blocks}
         step.nvme_deletes = self.catalog.take_deletes()
         step.nvme_writes, self._write_queue = self._write_queue, []
+        if self.surprisal is not None:
+            step.nvme_write_surprisal = {slot: self.surprisal[slot].copy() for slot, _, _ in step.nvme_writes}
         step.nvme_reads, self._read_queue = self._read_queue, []
         return step
 
