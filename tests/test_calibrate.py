@@ -56,7 +56,7 @@ def test_calibrate_writes_a_loadable_router(tiny_model_dir, tmp_path, capsys):
         kept = router.meta[split]["kept_only"]
         for name, row in rows.items():          # the oracle's top k hold the most mass
             assert kept <= row["k=8"] <= rows["oracle (true attention mass)"]["k=8"] + 1e-6, name
-    cfg = SekvConfig.from_sources({"router_path": out}, environ={})
+    cfg = SekvConfig.from_sources({"router_path": out, "surprisal": "on"}, environ={})
     assert isinstance(load_router(cfg, geometry), ZoomRouter)
     # a re-run reads the cached samples and gives the same figures
     out2 = str(tmp_path / "router2.pt")
