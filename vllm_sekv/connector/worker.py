@@ -104,7 +104,9 @@ class SekvWorkerSide:
         self.surprisal: SurprisalRecorder | None = None
         self._index_surprisal: dict[int, np.ndarray] = {}
         self._read_surprisal: list[tuple[np.ndarray, np.ndarray]] = []  # (host rows, values) read back
-        self._step_mapping: np.ndarray | None = None  # this step's slot mapping (set by the first layer)
+        # This step's slot mapping, sorted once (set by the first layer):
+        # (batch row of each sorted slot, the sorted slots).
+        self._step_mapping: tuple[np.ndarray, np.ndarray] | None = None
         # SeKV zoom router (config `router_path`): scores probes instead of Mean-K.
         self.router: Any = None
         self._router_queries: dict[str, list[list[torch.Tensor]]] = {}  # req_id -> per layer
@@ -286,7 +288,9 @@ class SekvWorkerSide:
         if plan is None or self.pool is None:
             return
         if self._step_mapping is None:
-            self._step_mapping = slot_mapping.cpu().numpy()
+            mapping = slot_mapping.cpu().numpy()
+            order = np.argsort(mapping, kind="stable")
+            self._step_mapping = (order, mapping[order])
         if plan.scores and self._probe_rows is None:
             self._probe_rows = self._resolve_probe_rows(plan, slot_mapping)
         if not len(plan.capture_paged_slots):
@@ -299,17 +303,11 @@ class SekvWorkerSide:
             self.pool.write_rows(self.layer_of[layer.layer_name], host_rows, keys, value[batch_rows].cpu())
 
     def _step_rows(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`_batch_rows` against this step's slot mapping (none yet: nothing found)."""
+        """(found [len(want)] bool, batch row of each found paged slot) in this
+        step's batch (no mapping yet: nothing found)."""
         if self._step_mapping is None:
             return np.zeros(len(want), dtype=bool), np.zeros(0, dtype=np.int64)
-        return self._batch_rows(self._step_mapping, want)
-
-    def _batch_rows(self, slot_mapping: torch.Tensor | np.ndarray,
-                    want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(found [len(want)] bool, batch row of each found slot)."""
-        mapping = slot_mapping if isinstance(slot_mapping, np.ndarray) else slot_mapping.cpu().numpy()
-        order = np.argsort(mapping, kind="stable")
-        sorted_slots = mapping[order]
+        order, sorted_slots = self._step_mapping
         pos = np.clip(np.searchsorted(sorted_slots, want), 0, max(len(sorted_slots) - 1, 0))
         found = sorted_slots[pos] == want if len(sorted_slots) else np.zeros(len(want), bool)
         return found, order[pos[found]]
@@ -324,7 +322,7 @@ class SekvWorkerSide:
         cached = self._capture_rows
         if cached is not None and cached[0] == plan.step_id:
             return cached[1], cached[2], cached[3]
-        found, rows = self._batch_rows(self._step_mapping, plan.capture_paged_slots)
+        found, rows = self._step_rows(plan.capture_paged_slots)
         if not found.all():
             bt = self.config.block_tokens
             lost = set((plan.capture_host_rows[~found] // bt).tolist())
@@ -344,7 +342,7 @@ class SekvWorkerSide:
     ) -> list[tuple[ScoreOp, torch.Tensor, torch.Tensor]]:
         out = []
         for op in plan.scores:
-            found, rows = self._batch_rows(self._step_mapping, op.query_paged_slots)
+            found, rows = self._step_rows(op.query_paged_slots)
             if not found.all():
                 logger.warning("sekv: %d probe queries missing from the batch", int((~found).sum()))
             out.append((op, torch.from_numpy(rows), torch.from_numpy(op.query_positions[found])))
