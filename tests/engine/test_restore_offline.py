@@ -11,17 +11,13 @@ prefill (greedy outputs can drift after a few dozen tokens); there the
 reference is plain vLLM whose own prefix cache holds the history, the case
 sekv stands in for. Both comparisons run.
 """
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from engine_process import run_runner
 
 pytestmark = pytest.mark.engine
 
 BLOCK_TOKENS = 32
-RUNNER = Path(__file__).with_name("session_runner.py")
 
 
 def run_session(tmp_path, model_dir, essay, sekv, dtype, reset=True):
@@ -29,12 +25,7 @@ def run_session(tmp_path, model_dir, essay, sekv, dtype, reset=True):
     spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24,
             "salt": "tenant-a", "other_salt": "tenant-b", "dtype": dtype, "reset": reset}
     name = f"{'sekv' if sekv is not None else 'plain'}-{dtype}-{'reset' if reset else 'warm'}"
-    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out_path.read_text())
+    return run_runner("session_runner.py", spec, tmp_path, name)
 
 
 SEKV = {"host_bytes": "512M", "block_tokens": BLOCK_TOKENS}

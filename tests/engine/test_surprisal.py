@@ -10,27 +10,19 @@ engine restoring the prompt from that folder, whose surprisal comes back from
 the records. bf16 on CPU; the chunks line up, decode does not (one token per
 step against a prefill chunk), hence a small tolerance there.
 """
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from engine_process import run_runner
+
 pytestmark = pytest.mark.engine
 
-RUNNER = Path(__file__).with_name("surprisal_runner.py")
 PROMPT_TOKENS, MAX_TOKENS, CHUNK_TOKENS = 1200, 24, 256
 
 
 def run(tmp_path, spec):
-    spec_path, out_path = tmp_path / f"{spec['mode']}.json", tmp_path / f"{spec['mode']}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out_path.read_text())
+    return run_runner("surprisal_runner.py", spec, tmp_path, spec["mode"])
 
 
 def test_recorded_surprisal_equals_vllms_prompt_logprobs(tmp_path, model_dir, essay):

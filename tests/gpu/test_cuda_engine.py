@@ -9,18 +9,19 @@ forward (`restore_mode` layerwise) and, in a second run, batched before it — c
 16-token pages on CUDA, so sekv restores exactly the tokens vLLM's own prefix
 cache would hold and the computed remainder is the same.
 """
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+from engine_process import run_runner  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.engine,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-RUNNER = Path(__file__).resolve().parents[1] / "engine" / "session_runner.py"
 BLOCK_TOKENS = 16
 SEKV = {"host_bytes": "2G", "block_tokens": BLOCK_TOKENS, "restore_mode": "layerwise"}
 SEKV_BATCHED = {**SEKV, "restore_mode": "batched"}
@@ -31,12 +32,7 @@ def run_session(tmp_path, model_dir, essay, sekv, reset):
     spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24,
             "salt": "tenant-a", "other_salt": "tenant-b", "dtype": "bfloat16", "reset": reset}
     name = f"{'sekv-' + sekv.get('restore_mode', 'auto') if sekv is not None else 'plain'}-{'reset' if reset else 'warm'}"
-    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out_path.read_text())
+    return run_runner("session_runner.py", spec, tmp_path, name)
 
 
 @pytest.fixture(scope="module")
