@@ -155,6 +155,19 @@ def request_view_tokens(request: Any) -> int | None:
     return value
 
 
+def request_coarse(request: Any) -> bool | None:
+    """A request's own SeKV coarse-attention switch: `kv_transfer_params["coarse"]`
+    (or `vllm_xargs`), None when it gives none. Raises ValueError on a value
+    that is not a boolean."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    sampling = getattr(request, "sampling_params", None)
+    extra = getattr(sampling, "extra_args", None) or {}
+    value = params.get("coarse", extra.get("coarse"))
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"sekv: 'coarse' of a request must be true or false, got {value!r}")
+    return value
+
+
 def request_cache_salt(request: Any) -> str:
     return getattr(request, "cache_salt", None) or ""
 

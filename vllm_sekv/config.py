@@ -154,12 +154,25 @@ class SekvConfig:
     # views' probes rank blocks by the router's relevance of their
     # surprisal-weighted mean keys instead of `index_summary` / `index_combine`.
     router_path: str = ""
+    # SeKV coarse attention (with surprisal on): the history a view leaves out
+    # still counts, as one surprisal-weighted mean key and value per surprisal
+    # segment, merged into every layer's attention by log-sum-exp ("on" or
+    # "off"; a request can opt out with kv_transfer_params {"coarse": false}).
+    # Summaries take at most `coarse_percent` percent of the view budget (one
+    # token's KV each); more segments than that are merged into coarser groups.
+    coarse: str = "off"
+    coarse_percent: int = 10
+    # How a view's history moves to the device: "exact", or SeKV "lowrank(r)":
+    # per block and surprisal segment, rank-r factors of pre-RoPE keys and of
+    # values, kept on the host next to the exact block and rebuilt on the
+    # device (lossy: fewer bytes moved; pieces of r tokens or fewer stay exact).
+    restore_codec: str = "exact"
 
     _SIZES = ("host_bytes", "nvme_bytes")
-    _STRINGS = ("nvme_dir", "index_combine", "router_path")
+    _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec")
     _FLOATS = ("anchor_alpha",)
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
-                "surprisal": ON_OFF}
+                "surprisal": ON_OFF, "coarse": ON_OFF}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens
@@ -210,6 +223,18 @@ class SekvConfig:
             raise ValueError(
                 f"sekv config 'min_restore_tokens': must not be negative, got {self.min_restore_tokens}"
             )
+        if self.coarse == "on" and self.surprisal != "on":
+            raise ValueError("sekv config 'coarse': summaries are surprisal-weighted and follow "
+                             "surprisal segments; set 'surprisal' to on")
+        if not 1 <= self.coarse_percent <= 50:
+            raise ValueError(f"sekv config 'coarse_percent': expected 1..50, got {self.coarse_percent}")
+        if self.restore_codec != "exact":  # torch is imported only for a lossy codec
+            from vllm_sekv.store.codecs import parse_codec
+
+            try:
+                parse_codec(self.restore_codec)
+            except ValueError as e:
+                raise ValueError(f"sekv config 'restore_codec': {e}") from None
         if self.router_path:
             if self.surprisal != "on":
                 raise ValueError("sekv config 'router_path': the zoom router scores surprisal-weighted "

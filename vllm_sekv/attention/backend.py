@@ -7,7 +7,9 @@ from the attention layer's inputs — to the active sekv connector's
 `capture_kv(layer, key, value, slot_mapping)`; and before attention it shows
 the layer's queries to `observe_queries(layer, query)` (a probe scores the
 block index with them), after making sure the layer's restored KV is written
-(`wait_for_layer_load`, which vLLM normally calls just before). The paged cache is never parsed by hand (its layout
+(`wait_for_layer_load`, which vLLM normally calls just before); and after
+attention it lets `merge_coarse(layer, query, output, scale)` merge SeKV
+summaries into the output in place. The paged cache is never parsed by hand (its layout
 is platform-specific; the CPU one is transposed).
 
 `write_kv` is the restore path: the platform's own cache-update op, without
@@ -47,7 +49,11 @@ def wrap_impl(base: type) -> type:
             if observe is not None:
                 connector.wait_for_layer_load(layer.layer_name)  # idempotent; vLLM calls it first
                 observe(layer, query)
-            return super().forward(layer, query, *args, **kwargs)
+            output = super().forward(layer, query, *args, **kwargs)
+            merge = getattr(connector, "merge_coarse", None)
+            if merge is not None:
+                merge(layer, query, output, self.scale)
+            return output
 
         def write_kv(
             self,

@@ -67,6 +67,11 @@ class SekvConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.observe_queries(layer, query)
 
+    def merge_coarse(self, layer: Any, query: Any, output: Any, scale: float) -> None:
+        """Called by the attention hook after attention: SeKV summaries merged in place."""
+        if self._worker is not None:
+            self._worker.merge_coarse(layer, query, output, scale)
+
     def build_connector_worker_meta(self) -> Any:
         return self._worker.build_worker_meta()
 

@@ -26,8 +26,9 @@ import torch
 
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
+from vllm_sekv.workspace.coarse import CoarsePlan, plan_summaries
 from vllm_sekv.workspace.planner import WorkspacePlanner
-from vllm_sekv.workspace.segments import segment
+from vllm_sekv.workspace.segments import Segments, segment
 from vllm_sekv.workspace.summaries import combine_heads
 from vllm_sekv.workspace.views import (
     PassKind, ViewBudget, ViewPass, final_pass, first_pass, truncated_pass,
@@ -50,6 +51,11 @@ class ViewJob:
     prefilled_tokens: int = 0  # prompt tokens computed, over all passes
     ingested_to: int = 0  # virtual end of the last ingest pass
     truncated: bool = False  # the workspace could not hold the history (see `next_pass`)
+    coarse: bool = False  # SeKV summaries for the left-out history (server setting, request may opt out)
+    # The final view's SeKV parts (`_final_pass`): its summaries and the
+    # pieces of its lossily restored blocks; None for other passes.
+    coarse_plan: CoarsePlan | None = None
+    lowrank: dict[int, tuple[tuple[int, int], ...]] | None = None
 
     def virtual_tokens(self, request: Any) -> list[int]:
         return self.prompt + list(request.output_token_ids)
@@ -104,6 +110,11 @@ class ViewCoordinator:
             return False
         job = ViewJob(request.request_id, prompt, compat.request_cache_salt(request),
                       compat.request_session_id(request), budget)
+        job.coarse = self.config.coarse == "on"
+        try:
+            job.coarse = job.coarse and compat.request_coarse(request) is not False
+        except ValueError as e:
+            logger.warning("%s (request %s); the server's setting applies", e, request.request_id)
         self.jobs[job.req_id] = job
         # Until its first pass is chosen the request must not hit vLLM's
         # prefix cache under its real tokens.
@@ -122,10 +133,7 @@ class ViewCoordinator:
         job = self.jobs[request.request_id]
         if job.current is None:
             if job.probe is not None:
-                assert job.scores is not None
-                anchor_tokens = job.budget.view_tokens * self.config.anchor_percent // 100
-                view = final_pass(job.probe, job.scores.tolist(), job.budget,
-                                  self.config.view_context_blocks, self._anchors(job), anchor_tokens)
+                view = self._final_pass(job)
             else:
                 matched = self.planner.match_history(job.req_id, job.prompt, job.salt,
                                                      job.session_id)
@@ -151,20 +159,56 @@ class ViewCoordinator:
             compat.rewrite_request(request, view.token_ids(job.prompt), self._pass_salt(job))
             if view.samples:
                 compat.clamp_max_tokens(request, self.window_tokens - view.num_tokens)
-        return self.planner.begin_view_pass(job.req_id, job.current)
+        return self.planner.begin_view_pass(job.req_id, job.current, job.coarse_plan, job.lowrank)
 
-    def _anchors(self, job: ViewJob) -> list[int]:
-        """SeKV anchors of the job's history (virtual positions), the most
-        surprising first; none without recorded surprisal."""
-        if not self.config.anchor_percent:
-            return []
+    def _final_pass(self, job: ViewJob) -> ViewPass:
+        """The sampling view after the job's probe, with SeKV's parts where
+        surprisal is recorded: anchors, coarse summaries of the history it
+        leaves out (taking room in its budget), and the pieces of its history
+        blocks that a lossy `restore_codec` factors."""
+        cfg, budget = self.config, job.budget
         surprisal = self.planner.history_surprisal(job.req_id)
-        if surprisal is None or not len(surprisal):
+        if surprisal is not None:
+            surprisal = surprisal[: job.probe.tail_start]  # the tail is computed in the view
+        segments = segment(surprisal, cfg.anchor_alpha) if surprisal is not None and len(surprisal) else None
+        anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
+        coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
+        view = final_pass(job.probe, job.scores.tolist(), budget, cfg.view_context_blocks, anchors,
+                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room)
+        if coarse_room:
+            job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
+                                             view.reserved_tokens)
+        if cfg.restore_codec != "exact":
+            job.lowrank = self._lowrank_pieces(view, segments, budget)
+        return view
+
+    @staticmethod
+    def _anchors(segments: Segments | None, surprisal: np.ndarray | None) -> list[int]:
+        """SeKV anchors of the history (virtual positions), the most surprising
+        first; none without recorded surprisal."""
+        if segments is None:
             return []
-        anchors = segment(surprisal, self.config.anchor_alpha).anchors.numpy()
+        anchors = segments.anchors.numpy()
         anchors = anchors[anchors > 0]  # token 0 is an anchor by definition, and in the sink
         order = np.argsort(-np.nan_to_num(surprisal[anchors], nan=0.0), kind="stable")
         return anchors[order].tolist()
+
+    def _lowrank_pieces(self, view: ViewPass, segments: Segments | None,
+                        budget: ViewBudget) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Virtual block -> pieces (surprisal segments cut at the block's edges;
+        the whole block without surprisal) of the view's history blocks that
+        move as factors: all but the sink's, which stay exact (a rebuilt
+        attention sink costs the most accuracy, `store.codecs`)."""
+        bt = view.block_tokens
+        starts = segments.starts.numpy() if segments is not None else np.zeros(0, np.int64)
+        out = {}
+        for b in view.history_blocks:
+            if b * bt < budget.sink_tokens:
+                continue
+            inner = starts[(starts > b * bt) & (starts < (b + 1) * bt)] - b * bt
+            edges = [0, *inner.tolist(), bt]
+            out[b] = tuple(zip(edges[:-1], edges[1:]))
+        return out
 
     def max_new_tokens(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Stop a non-sampling pass one token short of its end (the sentinel)."""
@@ -245,6 +289,9 @@ class ViewCoordinator:
             out["selected_blocks"] = list(view.history_blocks)
             if view.anchors:
                 out["anchor_tokens"] = len(view.anchors)
+            if job.coarse_plan is not None and job.coarse_plan.num_summaries:
+                out["summaries"] = job.coarse_plan.num_summaries
+                out["summary_tokens"] = int(job.coarse_plan.num_tokens.sum())
         return out
 
     def tokens_of(self, request: Any) -> Sequence[int] | None:

@@ -44,17 +44,20 @@ import torch
 
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
+from vllm_sekv.connector.coarse import CoarseAttention
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.connector.surprisal import SurprisalRecorder
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store import HostPool, cudart
+from vllm_sekv.store.codecs import parse_codec
 from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
+from vllm_sekv.store.lowrank_tier import LowRankTier
 from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
-from vllm_sekv.workspace.plan import ScoreOp, StepPlan
+from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan
 from vllm_sekv.workspace.router import load_router
 
 logger = logging.getLogger("vllm_sekv")
@@ -110,6 +113,14 @@ class SekvWorkerSide:
         # SeKV zoom router (config `router_path`): scores probes instead of Mean-K.
         self.router: Any = None
         self._router_queries: dict[str, list[list[torch.Tensor]]] = {}  # req_id -> per layer
+        # SeKV coarse attention (config `coarse`): per view, the summaries of
+        # the history it leaves out; this step's rows of each such request:
+        # (req_id, batch rows, view positions).
+        self.coarse: CoarseAttention | None = None
+        self._coarse_rows: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+        self._restored_keys: dict[str, torch.Tensor] = {}  # this step: req_id -> [L, n, H, D] written
+        # SeKV lowrank(r) copies of host blocks (config `restore_codec`).
+        self.lowrank: LowRankTier | None = None
 
     # ---------------------------------------------------------------- set-up
 
@@ -144,6 +155,10 @@ class SekvWorkerSide:
                 raise ValueError("sekv config 'router_path': the zoom router needs every query head "
                                  "on one rank; tensor parallelism is not supported yet")
             self.router = load_router(self.config, compat.router_geometry(self.vllm_config))
+        if self.config.coarse == "on":
+            self.coarse = CoarseAttention(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype, device, self.rope)
+        if self.config.restore_codec != "exact":
+            self.lowrank = LowRankTier(parse_codec(self.config.restore_codec), self.config.block_tokens, self.rope)
         kind = ROUTER_SUMMARY if self.router is not None else self.config.index_summary
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind)
         if self.config.surprisal == "on":
@@ -161,7 +176,14 @@ class SekvWorkerSide:
 
     def bind(self, metadata: SekvMetadata) -> None:
         plan = self._plan = metadata.plan
-        self._capture_rows = self._probe_rows = self._step_mapping = None
+        self._capture_rows = self._probe_rows = self._step_mapping = self._coarse_rows = None
+        self._restored_keys = {}
+        if self.coarse is not None:
+            self.coarse.finish(plan.coarse_finished)
+        if self.lowrank is not None:  # slots taking new bytes: their factors are stale
+            bt = self.config.block_tokens
+            for slot in {*np.unique(plan.capture_host_rows // bt).tolist(), *(s for _, s, _ in plan.nvme_reads)}:
+                self.lowrank.drop(slot)
         if self.index is not None and self.index.kind.uses_weights:
             self._index_surprisal.update(plan.index_surprisal)  # one entry per host slot at most
         if self.surprisal is not None:
@@ -186,18 +208,99 @@ class SekvWorkerSide:
                 nan = np.full(self.config.block_tokens, np.nan, dtype=np.float32)
                 surprisal = torch.from_numpy(np.stack([self._index_surprisal.pop(s, nan) for s in latest]))
             self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
-        if self.pipeline is not None and plan.restores:
-            self._restore_cuda(forward_context, plan.restores)
+        lossy = [op for op in plan.restores if op.lowrank_pieces]
+        exact = [op for op in plan.restores if not op.lowrank_pieces]
+        if self.pipeline is not None and exact:
+            self._restore_cuda(forward_context, exact)
+        row_bytes = self.pool.block_bytes // self.config.block_tokens
         for op in plan.restores:
-            if self.pipeline is None:
+            if self.pipeline is None or op.lowrank_pieces:
                 t0 = time.perf_counter()
-                self._restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
+                if op.lowrank_pieces:
+                    moved = self._restore_lowrank(forward_context, op)
+                else:
+                    self._restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
+                    moved = len(op.host_rows) * row_bytes
                 self._restore_seconds[op.req_id] = time.perf_counter() - t0
                 self.stats.add("restore_seconds", self._restore_seconds[op.req_id])
+            else:
+                moved = len(op.host_rows) * row_bytes
+            self.stats.add("restored_bytes", moved)
             self.stats.add("restored_tokens", len(op.host_rows))
             self.stats.add("restores", 1)
             if op.view_pass == "final":
                 self.stats.add("views", 1)
+        if self.coarse is not None:
+            self._begin_coarse(plan)
+
+    def _begin_coarse(self, plan: StepPlan) -> None:
+        """Build the summaries of views starting in this step (all layers,
+        from the host pool) and hand over their restored history keys."""
+        restores = {op.req_id: op for op in plan.restores}
+        for op in plan.coarse:
+            spec = op.summaries
+            if spec is None:
+                continue
+            restore = restores.get(op.req_id)
+            history, start = self._restored_keys.pop(op.req_id, None), 0
+            if restore is not None:
+                start = restore.first_position
+                history = history if history is not None else self._history_keys(restore)
+            else:
+                geo = self.geometry
+                history = torch.zeros((geo.num_layers, 0, geo.kv_heads, geo.head_dim))
+            rows = torch.from_numpy(spec.host_rows)
+            slots, offsets = rows // self.config.block_tokens, rows % self.config.block_tokens
+            keys, values = self.pool.data[slots, 0, :, offsets], self.pool.data[slots, 1, :, offsets]
+            self.coarse.begin(op.req_id, spec, keys, values, history, start)
+            self.stats.add("summaries", len(spec.num_tokens))
+            self.stats.add("summary_bytes", self.coarse.summary_bytes(op.req_id))
+
+    def _history_keys(self, op: RestoreOp) -> torch.Tensor:
+        """The keys an exact restore writes, every layer: `[L, n, H, D]`."""
+        rows = torch.from_numpy(op.host_rows)
+        slots, offsets = rows // self.config.block_tokens, rows % self.config.block_tokens
+        keys = self.pool.data[slots, 0, :, offsets]  # [n, L, H, D]
+        if op.rope_deltas is not None:
+            n, num_layers, heads, dim = keys.shape
+            keys = rotate_keys(keys.reshape(n, num_layers * heads, dim), torch.from_numpy(op.rope_deltas),
+                               self.rope).reshape(n, num_layers, heads, dim)
+        return keys.transpose(0, 1)
+
+    def _restore_lowrank(self, forward_context: Any, op: RestoreOp) -> int:
+        """Restore `op` with its lossy slots rebuilt from their lowrank factors
+        (encoded on first use, over the op's pieces, and kept), the rest exact;
+        every layer at once, through the platform's cache-update op. Returns
+        the bytes moved (factors + exact rows)."""
+        bt = self.config.block_tokens
+        n = len(op.host_rows)
+        deltas = op.rope_deltas if op.rope_deltas is not None else np.zeros(n, dtype=np.int64)
+        virtual = op.first_position + np.arange(n, dtype=np.int64) - deltas
+        slots = op.host_rows // bt
+        lossy = np.isin(slots, list(op.lowrank_pieces))
+        for slot in np.unique(slots[lossy]).tolist():
+            pieces = op.lowrank_pieces[slot]
+            if self.lowrank.pieces_of(slot) != tuple(pieces):
+                i = int(np.argmax(slots == slot))
+                self.lowrank.encode_block(self.pool, slot, int(virtual[i] - op.host_rows[i] % bt), pieces)
+        keys = self._history_keys(op).to(self.pool.data.dtype)  # [L, n, H, D], exact rows
+        values = self.pool.data[torch.from_numpy(slots), 1, :, torch.from_numpy(op.host_rows % bt)].transpose(0, 1)
+        moved = int((~lossy).sum()) * (self.pool.block_bytes // bt)
+        if lossy.any():
+            idx = torch.from_numpy(np.nonzero(lossy)[0])
+            # Rotated straight to the rows' view positions: virtual + delta.
+            k, v, moved_lossy = self.lowrank.decode_rows(op.host_rows[lossy], virtual[lossy] + deltas[lossy])
+            keys, values = keys.clone(), values.clone()
+            keys[:, idx], values[:, idx] = k, v
+            moved += moved_lossy
+        self._restored_keys[op.req_id] = keys
+        for name, kv_cache in self.kv_caches.items():
+            layer = compat.attention_layer(forward_context, name)
+            idx = self.layer_of[name]
+            slots_dev = torch.from_numpy(op.paged_slots).to(kv_cache.device)
+            layer.impl.write_kv(layer, keys[idx].to(kv_cache.device), values[idx].to(kv_cache.device),
+                                kv_cache, slots_dev)
+        return moved
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before a layer's attention: its restored KV is in the paged cache
@@ -293,6 +396,16 @@ class SekvWorkerSide:
             self._step_mapping = (order, mapping[order])
         if plan.scores and self._probe_rows is None:
             self._probe_rows = self._resolve_probe_rows(plan, slot_mapping)
+        if plan.coarse and self.coarse is not None:
+            if self._coarse_rows is None:
+                self._coarse_rows = []
+                for op in plan.coarse:
+                    found, rows = self._step_rows(op.query_paged_slots)
+                    self._coarse_rows.append((op.req_id, torch.from_numpy(rows),
+                                              torch.from_numpy(op.query_positions[found])))
+            layer_idx = self.layer_of[layer.layer_name]
+            for req_id, rows, positions in self._coarse_rows:
+                self.coarse.keys_written(req_id, layer_idx, key[rows.to(key.device)], positions)
         if not len(plan.capture_paged_slots):
             return
         batch_rows, host_rows, deltas = self._resolve_capture_rows(plan, slot_mapping)
@@ -347,6 +460,19 @@ class SekvWorkerSide:
                 logger.warning("sekv: %d probe queries missing from the batch", int((~found).sum()))
             out.append((op, torch.from_numpy(rows), torch.from_numpy(op.query_positions[found])))
         return out
+
+    def merge_coarse(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
+        """After a layer's attention: merge SeKV summaries into the output
+        rows of this step's coarse requests (in place)."""
+        if not self._coarse_rows or self.coarse is None:
+            return
+        head_dim = self.geometry.head_dim
+        layer_idx = self.layer_of[layer.layer_name]
+        q = query.view(query.shape[0], -1, head_dim)
+        out = output.view(output.shape[0], -1, head_dim)
+        merged = sum(self.coarse.merge(req_id, layer_idx, q, out, rows, positions, scale)
+                     for req_id, rows, positions in self._coarse_rows)
+        self.stats.add("coarse_rows", merged)
 
     def observe_queries(self, layer: Any, query: torch.Tensor) -> None:
         """A layer's queries (post-RoPE, as attention receives them): score the

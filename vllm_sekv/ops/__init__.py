@@ -9,6 +9,9 @@ implementation themselves.
 * `scatter_rerope(staging, key_caches, value_caches, slot_mapping,
   delta_positions, rope, src_rows=None)`: staged blocks -> paged caches, K
   re-RoPE'd (see `triton_kernels/rope/scatter_reference.py`).
+* `coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)`:
+  SeKV summaries merged into view attention by log-sum-exp (see
+  `triton_kernels/coarse/reference.py`).
 
 Triton modules are imported lazily, so CPU-only installs never import Triton.
 """
@@ -19,6 +22,7 @@ from typing import Sequence
 import torch
 
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec, rotate_keys
+from vllm_sekv.triton_kernels.coarse import reference as _coarse_ref
 from vllm_sekv.triton_kernels.rope import scatter_reference as _scatter_ref
 from vllm_sekv.triton_kernels.scoring import reference as _scoring_ref
 from vllm_sekv.triton_kernels.scoring.select import select_blocks
@@ -49,4 +53,15 @@ def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], va
     return _scatter_ref.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
 
 
-__all__ = ["RopeSpec", "rotate_keys", "score_blocks", "select_blocks", "scatter_rerope"]
+def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor, k_sum: torch.Tensor,
+                 v_sum: torch.Tensor, summary_tokens: torch.Tensor,
+                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SeKV coarse-attention merge; Triton on CUDA, reference elsewhere (same result)."""
+    if _use_triton(q):
+        from vllm_sekv.triton_kernels.coarse import kernel
+
+        return kernel.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
+    return _coarse_ref.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
+
+
+__all__ = ["RopeSpec", "rotate_keys", "score_blocks", "select_blocks", "scatter_rerope", "coarse_merge"]

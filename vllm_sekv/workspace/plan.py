@@ -26,6 +26,11 @@ class RestoreOp:
     # way in; None: every row stays where it was computed.
     rope_deltas: np.ndarray | None = None
     view_pass: str = ""  # the execution view pass it serves ("final", "probe", ...), if any
+    first_position: int = 0  # the request's position of row 0 (rows are consecutive positions)
+    # SeKV `restore_codec` lowrank(r): host slots whose rows move as rank-r
+    # factors instead of exact bytes, each with the pieces ([lo, hi) token
+    # offsets, covering the block) its factors are taken over. Empty: all exact.
+    lowrank_pieces: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,6 +65,37 @@ class SurprisalOp:
 
 
 @dataclass
+class CoarseSummaries:
+    """What the worker needs to build one view's SeKV summaries
+    (`workspace.coarse.CoarsePlan`, with host rows): summary `s` is the
+    surprisal-weighted mean of the pre-RoPE keys (and of the values) of the
+    rows `summary_of == s`, its key rotated to view position
+    `summary_positions[s]`."""
+
+    host_rows: np.ndarray  # [n] host rows of the summarized history tokens
+    virtual_positions: np.ndarray  # [n] where their keys were rotated (to de-rotate them)
+    summary_of: np.ndarray  # [n] summary of each, 0 .. S-1
+    surprisal: np.ndarray  # [n] float32 weights' numerators (>= 0)
+    summary_positions: np.ndarray  # [S] view position of each summary's key
+    num_tokens: np.ndarray  # [S] tokens each summary stands for
+    history_tokens: int  # the view's history tokens (positions 0 .. history_tokens - 1)
+
+
+@dataclass
+class CoarseOp:
+    """SeKV coarse attention of one request served from a view: this step's
+    tokens of it get the view's summaries merged into their attention.
+    `summaries` comes with the view's first step; the worker keeps them (and
+    the view's keys it needs for the merge) until the request is named in
+    `StepPlan.coarse_finished`."""
+
+    req_id: str
+    query_paged_slots: np.ndarray  # [m] paged slots of the request's tokens in this step
+    query_positions: np.ndarray  # [m] their view positions
+    summaries: CoarseSummaries | None = None
+
+
+@dataclass
 class StepPlan:
     step_id: int
     restores: list[RestoreOp] = field(default_factory=list)
@@ -79,6 +115,8 @@ class StepPlan:
     # NaN where unknown), for summary kinds that weight tokens by it.
     index_surprisal: dict[int, np.ndarray] = field(default_factory=dict)
     surprisal: list[SurprisalOp] = field(default_factory=list)
+    coarse: list[CoarseOp] = field(default_factory=list)
+    coarse_finished: list[str] = field(default_factory=list)  # requests whose summaries to drop
     # NVMe tier, all asynchronous in the worker; completions come back in its
     # step report. Deletes run first, before any write of the same step.
     nvme_deletes: list[bytes] = field(default_factory=list)

@@ -38,7 +38,8 @@ import numpy as np
 
 from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import extend_block_hashes
-from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan, SurprisalOp
+from vllm_sekv.workspace.coarse import CoarsePlan
+from vllm_sekv.workspace.plan import CoarseOp, CoarseSummaries, RestoreOp, ScoreOp, StepPlan, SurprisalOp
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.views import PassKind, ViewPass
 
@@ -69,6 +70,12 @@ class RequestState:
     view: ViewPass | None = None
     view_virtual: np.ndarray | None = None  # virtual position of each of the view's history tokens
     view_pins: list[BlockRecord] = field(default_factory=list)
+    # SeKV coarse attention of the current view: on while `coarse`; the
+    # summaries go to the worker with the view's first step.
+    coarse: bool = False
+    coarse_pending: CoarseSummaries | None = None
+    # SeKV lowrank restores of the current view: virtual block -> pieces.
+    view_lowrank: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     # Figures reported back in the response's kv_transfer_params.
     cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
     restored_tokens: int = 0
@@ -104,6 +111,7 @@ class WorkspacePlanner:
         self._index_queue: list[tuple[int, int]] = []
         self._write_queue: list[tuple[int, bytes, int]] = []
         self._read_queue: list[tuple[bytes, int, int]] = []
+        self._coarse_finished: list[str] = []
         # Every rank holds its own share of a block: an NVMe operation is done
         # when all ranks report it. (kind, hash) -> ranks still to report.
         self.world_size = world_size
@@ -174,8 +182,12 @@ class WorkspacePlanner:
         host_rows, deltas = self._view_sources(st, positions)
         st.pending_restore = RestoreOp(
             req_id, np.zeros(0, np.int64), host_rows, deltas if deltas.any() else None,
-            st.view.kind.value if st.view is not None else "",
+            st.view.kind.value if st.view is not None else "", int(positions[0]),
         )
+        if st.view is not None and st.view_lowrank:
+            held = {int(p) // bt for p in st.view_virtual[positions]}
+            st.pending_restore.lowrank_pieces = {
+                st.matched[b].host_slot: pieces for b, pieces in st.view_lowrank.items() if b in held}
         st.restored_tokens = num_external_tokens
         used_slots = set((host_rows // bt).tolist())
         used = [rec for rec in st.matched if rec.host_slot in used_slots]
@@ -219,19 +231,36 @@ class WorkspacePlanner:
         slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)
         return self.surprisal[slots].reshape(-1)
 
-    def begin_view_pass(self, req_id: str, view: ViewPass) -> int:
+    def begin_view_pass(self, req_id: str, view: ViewPass, coarse: CoarsePlan | None = None,
+                        lowrank: dict[int, tuple[tuple[int, int], ...]] | None = None) -> int:
         """Start a pass of `req_id`'s views; returns the tokens vLLM restores
-        (the pass's history part)."""
+        (the pass's history part). `coarse`: the SeKV summaries that stand in
+        for the history the view leaves out; `lowrank`: history blocks (virtual
+        block index) restored from rank-r factors, with their pieces."""
         st = self.requests[req_id]
         positions = np.asarray(view.history_positions(), dtype=np.int64)
         if len(positions) and positions.max() >= len(st.matched) * self.block_tokens:
             raise ValueError(f"request {req_id}: the view holds blocks the match does not")
         self._release_captures(st)
+        if st.coarse:
+            self._coarse_finished.append(req_id)
+        st.coarse = coarse is not None and coarse.num_summaries > 0
+        st.coarse_pending = self._coarse_summaries(st, coarse, view) if st.coarse else None
+        st.view_lowrank = dict(lowrank or {})
         st.view, st.view_virtual = view, positions
         st.paged_block_ids, st.skip_blocks, st.capture_broken = [], set(), False
         st.pending_restore, st.cached_tokens = None, -1
         st.match_end_tokens = view.history_tokens
         return view.history_tokens
+
+    def _coarse_summaries(self, st: RequestState, plan: CoarsePlan, view: ViewPass) -> CoarseSummaries:
+        bt = self.block_tokens
+        slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)
+        if len(plan.positions) and plan.positions[-1] >= len(slots) * bt:
+            raise ValueError(f"request {st.req_id}: summaries of tokens the match does not hold")
+        rows = slots[plan.positions // bt] * bt + plan.positions % bt
+        return CoarseSummaries(rows, plan.positions, plan.summary_of, plan.surprisal,
+                               plan.summary_positions, plan.num_tokens, view.history_tokens)
 
     def _view_sources(self, st: RequestState, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Host rows and re-RoPE deltas (view - virtual) restoring view `positions`."""
@@ -295,6 +324,11 @@ class WorkspacePlanner:
                 step.restores.append(op)
                 st.restore_pins[step.step_id] = st.restore_pins.pop(-1, [])
                 st.pending_restore = None
+            if st.coarse:
+                positions = np.arange(first, first + count, dtype=np.int64)
+                step.coarse.append(CoarseOp(req_id, self._paged_slots(st, positions), positions,
+                                            st.coarse_pending))
+                st.coarse_pending = None
             if st.view is not None and st.view.kind is PassKind.PROBE:
                 score = self._plan_score(st, first, count)
                 if score is not None:
@@ -313,6 +347,7 @@ class WorkspacePlanner:
             step.capture_paged_slots = np.concatenate(src)
             step.capture_host_rows = np.concatenate(dst)
             step.capture_rope_deltas = np.concatenate(deltas)
+        step.coarse_finished, self._coarse_finished = self._coarse_finished, []
         step.index_blocks, self._index_queue = self._index_queue, []
         if self.surprisal is not None:
             step.index_surprisal = {slot: self.surprisal[slot].copy() for slot, _ in step.index_blocks}
@@ -467,6 +502,9 @@ class WorkspacePlanner:
         if st is None:
             return None
         st.finished = True
+        if st.coarse:
+            st.coarse = False
+            self._coarse_finished.append(req_id)
         self.catalog.unpin(st.waiting_pins + st.view_pins)
         st.waiting_pins, st.view_pins = [], []
         bt = self.block_tokens

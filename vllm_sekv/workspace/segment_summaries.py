@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .segments import Segments
 
-__all__ = ["SegmentSummaries", "summary_token_weights", "summarize_segments"]
+__all__ = ["SegmentSummaries", "group_weights", "summary_token_weights", "summarize_segments"]
 
 
 @dataclass(frozen=True)
@@ -89,14 +89,23 @@ def summary_token_weights(surprisal: Tensor, segments: Segments, token_offset: i
         seg = torch.where(is_anchor_token, torch.full_like(seg, -1), seg)
     seg = seg.to(dev)
     used = torch.nonzero(seg >= 0).squeeze(1)
-    idx = seg[used]
-    h = _clean(surprisal[used].to(acc))
-    count = torch.zeros(num_segments, dtype=torch.int64, device=dev).index_add_(0, idx, torch.ones_like(idx))
-    total = torch.zeros(num_segments, dtype=acc, device=dev).index_add_(0, idx, h)
-    t_total, t_count = total[idx], count[idx].to(acc)
-    w_used = torch.where(t_total > 0, h / torch.where(t_total > 0, t_total, 1.0), 1.0 / t_count)
+    w_used, count = group_weights(seg[used], surprisal[used].to(acc), num_segments)
     w = torch.zeros(num_tokens, dtype=acc, device=dev).index_put_((used,), w_used)
     return seg, w, count
+
+
+def group_weights(group: Tensor, surprisal: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
+    """The summary weights of tokens that enter summaries: ``group [n]`` int64
+    (0 .. num_groups - 1), ``surprisal [n]`` (sanitized here). Returns ``(w [n]
+    in the surprisal's float dtype, count [num_groups] int64)`` with
+    ``w_t = H_t / sum of H over t's group``, uniform ``1 / count`` in a group
+    whose sum is 0."""
+    h = _clean(surprisal)
+    count = torch.zeros(num_groups, dtype=torch.int64, device=h.device).index_add_(
+        0, group, torch.ones_like(group))
+    total = torch.zeros(num_groups, dtype=h.dtype, device=h.device).index_add_(0, group, h)
+    t_total, t_count = total[group], count[group].to(h.dtype)
+    return torch.where(t_total > 0, h / torch.where(t_total > 0, t_total, 1.0), 1.0 / t_count), count
 
 
 def summarize_segments(keys: Tensor, values: Tensor, surprisal: Tensor, segments: Segments,

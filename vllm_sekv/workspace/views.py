@@ -76,6 +76,9 @@ class ViewPass:
     tail_tokens: int  # prompt tokens computed in this pass
     candidates: tuple[int, ...] = ()  # PROBE: the blocks its queries score
     anchors: tuple[int, ...] = ()  # virtual positions of single anchor tokens, outside history_blocks
+    # FINAL: budget tokens kept free for device KV that is not a token of the
+    # pass (SeKV coarse summaries, one token's KV each).
+    reserved_tokens: int = 0
 
     @property
     def history_tokens(self) -> int:
@@ -159,7 +162,7 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
 
 def final_pass(
     probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
-    anchors: Sequence[int] = (), anchor_tokens: int = 0,
+    anchors: Sequence[int] = (), anchor_tokens: int = 0, reserved_tokens: int = 0,
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
@@ -170,13 +173,19 @@ def final_pass(
     `anchors`: virtual positions of history anchor tokens, most important
     first. Those outside the view's blocks, at most `anchor_tokens` of them,
     join the view as single tokens; the blocks' room shrinks by the whole
-    blocks they take."""
+    blocks they take.
+
+    `reserved_tokens`: budget to keep free for KV that is not a token of the
+    pass (SeKV summaries), in whole blocks, never the last block of room; the
+    view's `reserved_tokens` says how much was granted."""
     if probe.kind is not PassKind.PROBE or len(scores) != len(probe.candidates):
         raise ValueError("final_pass needs a PROBE pass and one score per candidate")
     bt = probe.block_tokens
     history = probe.tail_start // bt
     sink, recent = _sink_and_recent(history, budget)
     room = budget.blocks - len(sink) - len(recent) - (-(-probe.tail_tokens // bt))
+    reserved_blocks = min(-(-reserved_tokens // bt), max(room - 1, 0))
+    room -= reserved_blocks
     anchor_room = max(0, min(anchor_tokens, (room - 1) * bt)) if anchors else 0
     room -= -(-anchor_room // bt)
     candidates = set(probe.candidates)
@@ -193,4 +202,4 @@ def final_pass(
     held = set(blocks)
     kept = [p for p in anchors if p // bt < history and p // bt not in held][:anchor_room]
     return ViewPass(PassKind.FINAL, bt, tuple(blocks), probe.tail_start, probe.tail_tokens,
-                    anchors=tuple(sorted(kept)))
+                    anchors=tuple(sorted(kept)), reserved_tokens=min(reserved_tokens, reserved_blocks * bt))
