@@ -35,3 +35,24 @@ def test_block_bytes():
     assert HostPool.bytes_per_block(30, 32, 3, 64, torch.bfloat16) == 2 * 30 * 32 * 3 * 64 * 2
     pool = HostPool(2, 30, 32, 3, 64, torch.bfloat16)
     assert pool.block_bytes == HostPool.bytes_per_block(30, 32, 3, 64, torch.bfloat16)
+
+
+def test_rows_in_whole_slots_are_written_as_slices_with_the_same_result():
+    import torch
+
+    from vllm_sekv.store import HostPool
+
+    rows = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 2, 3, 20, 21, 22, 23, 16, 17, 18, 19, 39, 24, 25, 26, 27])
+    for dtype in (torch.float32, torch.bfloat16):
+        fast, slow = (HostPool(10, 2, 4, 2, 3, dtype) for _ in range(2))
+        fast.data.zero_()
+        slow.data.zero_()
+        key, value = torch.randn(len(rows), 2, 3), torch.randn(len(rows), 2, 3)
+        runs = fast.slot_runs(rows)
+        assert runs.whole == [(0, 2, 2), (10, 5, 1), (14, 4, 1), (19, 6, 1)]
+        assert runs.rest.tolist() == [8, 9, 18]
+        fast.write_rows(1, rows, key, value, runs)
+        slots, offsets = rows // 4, rows % 4
+        slow.data[slots, 0, 1, offsets] = key.to(dtype)
+        slow.data[slots, 1, 1, offsets] = value.to(dtype)
+        assert torch.equal(fast.data, slow.data)

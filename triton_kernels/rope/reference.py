@@ -33,12 +33,31 @@ class RopeSpec:
     is_neox_style: bool = True
 
 
+# Device copies of RopeSpec.inv_freq: a host->device copy per rotation would
+# synchronize the stream (rotations run once per layer inside the forward).
+# Keyed by the source tensor's id, which the entry keeps alive.
+_INV_FREQ_ON: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _inv_freq_on(rope: RopeSpec, device: torch.device) -> torch.Tensor:
+    """`rope.inv_freq` as float64 on `device`, copied there once."""
+    src = rope.inv_freq
+    if src.device == device:
+        return src.to(torch.float64)
+    key = (id(src), device)
+    hit = _INV_FREQ_ON.get(key)
+    if hit is None or hit[0] is not src:
+        hit = _INV_FREQ_ON[key] = (src, src.to(device=device, dtype=torch.float64))
+    return hit[1]
+
+
 def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
     """Rotate `keys` [tokens, heads, head_dim] by `delta_positions` [tokens].
 
     Returns a new tensor of the same dtype; `keys` is not modified. A negative
     delta de-rotates (e.g. delta = -p gives the pre-RoPE key, up to a yarn
-    mscale factor).
+    mscale factor). `delta_positions` on another device than `keys` is copied
+    over (synchronously on CUDA): pass them on the keys' device in hot paths.
     """
     if keys.dim() != 3:
         raise ValueError(f"keys must be [tokens, heads, head_dim], got {tuple(keys.shape)}")
@@ -47,7 +66,7 @@ def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpe
             f"delta_positions must be [{keys.shape[0]}], got {tuple(delta_positions.shape)}"
         )
     rd = rope.rotary_dim
-    inv_freq = rope.inv_freq.to(device=keys.device, dtype=torch.float64)
+    inv_freq = _inv_freq_on(rope, keys.device)
     angles = delta_positions.to(device=keys.device, dtype=torch.float64)[:, None] * inv_freq
     cos = angles.cos().to(torch.float32)[:, None, :]  # [T, 1, rd/2]
     sin = angles.sin().to(torch.float32)[:, None, :]

@@ -18,9 +18,10 @@ Per request whose view has summaries (`CoarseOp` in the step plan):
                  (`ops.coarse_merge`; Triton on CUDA), in place;
   `finish`       drops a request's state.
 The buffer is one more copy of the view's keys per request: the paged cache
-is never parsed by hand (its layout is the platform's). A row whose view keys
-are not all known (never expected) is left as the platform computed it and
-counted, never merged against a partial log-sum-exp.
+is never parsed by hand (its layout is the platform's). Which positions it
+holds is tracked on the host, so that the per-layer calls never wait for the
+GPU. A row whose view keys are not all known (never expected) is left as the
+platform computed it and counted, never merged against a partial log-sum-exp.
 
 Runs in the worker process, on the forward thread; blocking.
 """
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.ops import coarse_merge, rotate_keys
+from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.workspace.plan import CoarseSummaries
 from vllm_sekv.workspace.segment_summaries import group_weights
 
@@ -45,7 +47,7 @@ class _Request:
     v_sum: torch.Tensor  # [L, S, H, D]
     num_tokens: torch.Tensor  # [S] int64
     keys: torch.Tensor  # [L, capacity, H, D] the view's keys as the paged cache holds them
-    known: torch.Tensor  # [L, capacity] bool: the buffer holds that layer's key at that position
+    known: torch.Tensor  # [L, capacity] bool, on the host: the buffer holds that layer's key there
 
 
 class CoarseAttention:
@@ -85,7 +87,7 @@ class CoarseAttention:
         state = _Request(per_layer(k_sum), per_layer(v_sum),
                          torch.from_numpy(spec.num_tokens).to(self.device),
                          torch.zeros((num_layers, capacity, heads, dim), dtype=self.dtype, device=self.device),
-                         torch.zeros((num_layers, capacity), dtype=torch.bool, device=self.device))
+                         torch.zeros((num_layers, capacity), dtype=torch.bool))
         self.requests[req_id] = state
         self._store(state, slice(None), torch.arange(history_start, history_start + history_keys.shape[1]),
                     history_keys)
@@ -99,12 +101,12 @@ class CoarseAttention:
             grow = max(need, 2 * capacity) - capacity
             state.keys = torch.cat([state.keys, state.keys.new_zeros((self.num_layers, grow, *state.keys.shape[2:]))], 1)
             state.known = torch.cat([state.known, state.known.new_zeros((self.num_layers, grow))], 1)
-        positions = positions.to(self.device)
-        state.keys[layers, positions] = keys.to(self.device, self.dtype)
+        state.keys[layers, to_device(positions, self.device)] = keys.to(self.device, self.dtype)
         state.known[layers, positions] = True
 
     def keys_written(self, req_id: str, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
-        """This step's keys `[m, H, D]` of the request's tokens at view `positions` [m]."""
+        """This step's keys `[m, H, D]` (on the device) of the request's tokens
+        at view `positions` [m] (host)."""
         state = self.requests.get(req_id)
         if state is not None:
             self._store(state, layer, positions, keys)
@@ -113,22 +115,21 @@ class CoarseAttention:
               rows: torch.Tensor, positions: torch.Tensor, scale: float) -> int:
         """Merge the summaries into `output` rows `rows` (in place); returns
         how many rows were merged. `query` `[tokens, Hq, D]` and `output`
-        `[tokens, Hq, D]` are the layer's attention input and output;
-        `positions` are the rows' view positions."""
+        `[tokens, Hq, D]` are the layer's attention input and output; `rows`
+        (on their device) index them; `positions` (host) are the rows' view
+        positions."""
         state = self.requests.get(req_id)
         if state is None or not len(rows):
             return 0
-        positions = positions.to(self.device)
         top = int(positions.max()) + 1
         complete = torch.cumprod(state.known[layer, :top].int(), 0).bool()[positions]
         if not bool(complete.all()):
             self.skipped_rows += int((~complete).sum())
-            rows, positions = rows[complete.cpu()], positions[complete]
+            rows, positions = rows[to_device(complete, rows.device)], positions[complete]
             if not len(rows):
                 return 0
-        rows = rows.to(self.device)
         q = query[rows]
-        lse_view = _view_lse(q, state.keys[layer, :top], positions, scale)
+        lse_view = _view_lse(q, state.keys[layer, :top], to_device(positions, self.device), scale)
         merged, _ = coarse_merge(q, output[rows], lse_view, state.k_sum[layer], state.v_sum[layer],
                                  state.num_tokens, scale)
         output[rows] = merged.to(output.dtype)

@@ -2,8 +2,9 @@
 restores KV into vLLM's paged cache and captures new K/V out of the forward.
 
 Runs in each worker process, on the forward thread, in this order per step:
-  `start_load_kv`  before a probe, index the blocks committed since the last
-                   one (in one batch); restore planned rows through the
+  `start_load_kv`  index the blocks committed since the last probe, in one
+                   batch before the next one (a GPU index, on CUDA: every
+                   step); restore planned rows through the
                    platform's own cache-update op, keys re-RoPE'd to the view's
                    positions where the plan says so. On CPU blocking, before
                    the forward. On CUDA enqueued on a copy stream: either
@@ -14,15 +15,17 @@ Runs in each worker process, on the forward thread, in this order per step:
                    each layer's attention: a layerwise restore writes that
                    layer and enqueues the copy of a later one; never blocks;
   `capture_kv`     called by the attention hook once per layer, right after
-                   the platform wrote that layer's K/V: copies the planned
-                   rows into the host pool, keys rotated to their virtual
-                   positions (blocking);
+                   the platform wrote that layer's K/V: keeps the planned
+                   rows, keys rotated to their virtual positions, on the
+                   device (no copy to the host, no synchronization);
   `observe_queries` called by the attention hook once per layer before
                    attention: a probe's queries score candidate blocks of the
                    index (accumulated over the probe's steps);
   (SeKV, `surprisal` on) after the model's forward, a hook records the
                    surprisal of the step's captured tokens (`SurprisalRecorder`);
-  `build_worker_meta` after the forward: writes any layer a layerwise restore
+  `build_worker_meta` after the forward: writes the step's captured rows of
+                   every layer into the host pool with one device->host copy,
+                   writes any layer a layerwise restore
                    still holds (the cache never keeps stale KV), reports the
                    step as done, with capture failures, restore times and the
                    NVMe reads and writes finished so far.
@@ -51,6 +54,7 @@ from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.connector.surprisal import SurprisalRecorder
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store import HostPool, cudart
+from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.codecs import parse_codec
 from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
 from vllm_sekv.store.lowrank_tier import LowRankTier
@@ -59,6 +63,7 @@ from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
 from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan
 from vllm_sekv.workspace.router import load_router
+from vllm_sekv.workspace.summaries import combine_heads
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -93,8 +98,12 @@ class SekvWorkerSide:
         self._failed_slots: set[int] = set()
         self._restore_seconds: dict[str, float] = {}
         self._capture_rows: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # This step's captured K/V, per layer, kept on the device until the
+        # forward ends; then one device->host copy (`_flush_captures`).
+        self._captured: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._d2h: torch.Tensor | None = None  # CUDA: pinned bounce buffer of that copy, grown as needed
         # Probes of this step: (op, batch rows of its queries, their positions).
-        self._probe_rows: list[tuple[ScoreOp, torch.Tensor, torch.Tensor]] | None = None
+        self._probe_rows: list[tuple[ScoreOp, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._score_acc: dict[str, torch.Tensor] = {}  # req_id -> [L, Hq, B]
         self._scores_done: dict[str, np.ndarray] = {}
         # Committed blocks not indexed yet: indexed in one batch when a probe
@@ -117,7 +126,7 @@ class SekvWorkerSide:
         # the history it leaves out; this step's rows of each such request:
         # (req_id, batch rows, view positions).
         self.coarse: CoarseAttention | None = None
-        self._coarse_rows: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+        self._coarse_rows: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None  # rows on the device
         self._restored_keys: dict[str, torch.Tensor] = {}  # this step: req_id -> [L, n, H, D] written
         # SeKV lowrank(r) copies of host blocks (config `restore_codec`).
         self.lowrank: LowRankTier | None = None
@@ -160,7 +169,9 @@ class SekvWorkerSide:
         if self.config.restore_codec != "exact":
             self.lowrank = LowRankTier(parse_codec(self.config.restore_codec), self.config.block_tokens, self.rope)
         kind = ROUTER_SUMMARY if self.router is not None else self.config.index_summary
-        self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind)
+        # On CUDA the index lives on the GPU: probes score where the queries are.
+        self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind,
+                                device=device if device.type == "cuda" else "cpu")
         if self.config.surprisal == "on":
             model = compat.model_of_caller()
             if model is None:
@@ -201,7 +212,10 @@ class SekvWorkerSide:
         if plan is None or self.pool is None:
             return
         self._index_pending.update(plan.index_blocks)
-        if plan.scores and self._index_pending:
+        # On the CPU blocks are indexed only when a probe needs them (restores
+        # stay lean); a GPU index takes each block as it is committed, so that
+        # no probe pays for a long history at once.
+        if self._index_pending and (plan.scores or self.index.device.type == "cuda"):
             latest, self._index_pending = self._index_pending, {}
             surprisal = None
             if self.index.kind.uses_weights:
@@ -245,7 +259,8 @@ class SekvWorkerSide:
             history, start = self._restored_keys.pop(op.req_id, None), 0
             if restore is not None:
                 start = restore.first_position
-                history = history if history is not None else self._history_keys(restore)
+                if history is None:
+                    history = self._exact_rows(restore.host_rows, restore.rope_deltas)[0]
             else:
                 geo = self.geometry
                 history = torch.zeros((geo.num_layers, 0, geo.kv_heads, geo.head_dim))
@@ -256,22 +271,24 @@ class SekvWorkerSide:
             self.stats.add("summaries", len(spec.num_tokens))
             self.stats.add("summary_bytes", self.coarse.summary_bytes(op.req_id))
 
-    def _history_keys(self, op: RestoreOp) -> torch.Tensor:
-        """The keys an exact restore writes, every layer: `[L, n, H, D]`."""
-        rows = torch.from_numpy(op.host_rows)
+    def _exact_rows(self, host_rows: np.ndarray, rope_deltas: np.ndarray | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated by `rope_deltas`, as a restore writes them) and V of host
+        rows, every layer: `[L, n, H, D]` each, on the host."""
+        rows = torch.from_numpy(host_rows)
         slots, offsets = rows // self.config.block_tokens, rows % self.config.block_tokens
-        keys = self.pool.data[slots, 0, :, offsets]  # [n, L, H, D]
-        if op.rope_deltas is not None:
+        keys, values = self.pool.data[slots, 0, :, offsets], self.pool.data[slots, 1, :, offsets]  # [n, L, H, D]
+        if rope_deltas is not None:
             n, num_layers, heads, dim = keys.shape
-            keys = rotate_keys(keys.reshape(n, num_layers * heads, dim), torch.from_numpy(op.rope_deltas),
+            keys = rotate_keys(keys.reshape(n, num_layers * heads, dim), torch.from_numpy(rope_deltas),
                                self.rope).reshape(n, num_layers, heads, dim)
-        return keys.transpose(0, 1)
+        return keys.transpose(0, 1), values.transpose(0, 1)
 
     def _restore_lowrank(self, forward_context: Any, op: RestoreOp) -> int:
-        """Restore `op` with its lossy slots rebuilt from their lowrank factors
-        (encoded on first use, over the op's pieces, and kept), the rest exact;
-        every layer at once, through the platform's cache-update op. Returns
-        the bytes moved (factors + exact rows)."""
+        """Restore `op` with its lossy slots rebuilt on the device from their
+        lowrank factors (encoded on first use, over the op's pieces, and kept
+        on the host), the rest moved exact; every layer at once, through the
+        platform's cache-update op. Returns the bytes moved (factors + exact rows)."""
         bt = self.config.block_tokens
         n = len(op.host_rows)
         deltas = op.rope_deltas if op.rope_deltas is not None else np.zeros(n, dtype=np.int64)
@@ -283,23 +300,26 @@ class SekvWorkerSide:
             if self.lowrank.pieces_of(slot) != tuple(pieces):
                 i = int(np.argmax(slots == slot))
                 self.lowrank.encode_block(self.pool, slot, int(virtual[i] - op.host_rows[i] % bt), pieces)
-        keys = self._history_keys(op).to(self.pool.data.dtype)  # [L, n, H, D], exact rows
-        values = self.pool.data[torch.from_numpy(slots), 1, :, torch.from_numpy(op.host_rows % bt)].transpose(0, 1)
-        moved = int((~lossy).sum()) * (self.pool.block_bytes // bt)
-        if lossy.any():
-            idx = torch.from_numpy(np.nonzero(lossy)[0])
-            # Rotated straight to the rows' view positions: virtual + delta.
-            k, v, moved_lossy = self.lowrank.decode_rows(op.host_rows[lossy], virtual[lossy] + deltas[lossy])
-            keys, values = keys.clone(), values.clone()
-            keys[:, idx], values[:, idx] = k, v
+        device = next(iter(self.kv_caches.values())).device
+        geo = self.geometry
+        keys = torch.empty((geo.num_layers, n, geo.kv_heads, geo.head_dim), dtype=self.pool.data.dtype, device=device)
+        values = torch.empty_like(keys)
+        exact = np.nonzero(~lossy)[0]
+        moved = len(exact) * (self.pool.block_bytes // bt)
+        if len(exact):
+            k, v = self._exact_rows(op.host_rows[exact], deltas[exact] if op.rope_deltas is not None else None)
+            keys[:, exact], values[:, exact] = k.to(device, keys.dtype), v.to(device)
+        if lossy.any():  # rotated straight to the rows' view positions: virtual + delta
+            k, v, moved_lossy = self.lowrank.decode_rows(op.host_rows[lossy], virtual[lossy] + deltas[lossy], device)
+            where = torch.from_numpy(np.nonzero(lossy)[0]).to(device)
+            keys[:, where], values[:, where] = k, v
             moved += moved_lossy
         self._restored_keys[op.req_id] = keys
+        paged_slots = torch.from_numpy(op.paged_slots).to(device)
         for name, kv_cache in self.kv_caches.items():
             layer = compat.attention_layer(forward_context, name)
             idx = self.layer_of[name]
-            slots_dev = torch.from_numpy(op.paged_slots).to(kv_cache.device)
-            layer.impl.write_kv(layer, keys[idx].to(kv_cache.device), values[idx].to(kv_cache.device),
-                                kv_cache, slots_dev)
+            layer.impl.write_kv(layer, keys[idx], values[idx], kv_cache, paged_slots)
         return moved
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -401,19 +421,40 @@ class SekvWorkerSide:
                 self._coarse_rows = []
                 for op in plan.coarse:
                     found, rows = self._step_rows(op.query_paged_slots)
-                    self._coarse_rows.append((op.req_id, torch.from_numpy(rows),
+                    self._coarse_rows.append((op.req_id, to_device(rows, key.device),
                                               torch.from_numpy(op.query_positions[found])))
             layer_idx = self.layer_of[layer.layer_name]
             for req_id, rows, positions in self._coarse_rows:
-                self.coarse.keys_written(req_id, layer_idx, key[rows.to(key.device)], positions)
+                self.coarse.keys_written(req_id, layer_idx, key[rows], positions)
         if not len(plan.capture_paged_slots):
             return
         batch_rows, host_rows, deltas = self._resolve_capture_rows(plan, slot_mapping)
         if len(batch_rows):
-            keys = key[batch_rows].cpu()
-            if deltas is not None:
+            keys = key[batch_rows]
+            if deltas is not None:  # to their virtual positions, on the device
                 keys = rotate_keys(keys, deltas, self.rope)
-            self.pool.write_rows(self.layer_of[layer.layer_name], host_rows, keys, value[batch_rows].cpu())
+            self._captured.append((self.layer_of[layer.layer_name], keys.to(self.pool.data.dtype),
+                                   value[batch_rows].to(self.pool.data.dtype)))
+
+    def _flush_captures(self) -> None:
+        """After the forward: this step's captured K/V of every layer into
+        their host rows, with one device->host copy (through a pinned buffer
+        on CUDA) instead of one synchronizing copy per layer."""
+        captured, self._captured = self._captured, []
+        if not captured:
+            return
+        host_rows = self._capture_rows[2]
+        stacked = torch.stack([torch.stack([k, v]) for _, k, v in captured])  # [layers, 2, n, H, D]
+        if stacked.is_cuda:
+            if self._d2h is None or self._d2h.numel() < stacked.numel():
+                self._d2h = torch.empty(stacked.numel(), dtype=stacked.dtype, pin_memory=True)
+            host = self._d2h[: stacked.numel()].view(stacked.shape)
+            host.copy_(stacked)
+        else:
+            host = stacked
+        runs = self.pool.slot_runs(host_rows)
+        for i, (layer, _, _) in enumerate(captured):
+            self.pool.write_rows(layer, host_rows, host[i, 0], host[i, 1], runs)
 
     def _step_rows(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found [len(want)] bool, batch row of each found paged slot) in this
@@ -428,7 +469,8 @@ class SekvWorkerSide:
     def _resolve_capture_rows(
         self, plan: StepPlan, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Rows of this forward's batch that hold the planned paged slots.
+        """Rows of this forward's batch that hold the planned paged slots (on
+        the batch's device), their host rows, their RoPE deltas (on the device).
 
         Computed once per step (all layers share one slot mapping). Planned
         slots absent from the batch fail their host slot."""
@@ -442,23 +484,28 @@ class SekvWorkerSide:
             self._failed_slots |= lost
             self.stats.add("capture_failures", len(lost))
             logger.warning("sekv: %d captured blocks dropped (rows missing from the batch)", len(lost))
-        batch_rows = torch.from_numpy(rows)
+        device = slot_mapping.device
+        batch_rows = to_device(rows, device)
         host_rows = torch.from_numpy(plan.capture_host_rows[found])
         deltas = plan.capture_rope_deltas[found] if len(plan.capture_rope_deltas) else None
-        deltas = torch.from_numpy(deltas) if deltas is not None and deltas.any() else None
+        deltas = to_device(deltas, device) if deltas is not None and deltas.any() else None
         self.stats.add("captured_tokens", int(found.sum()))
         self._capture_rows = (plan.step_id, batch_rows, host_rows, deltas)
         return batch_rows, host_rows, deltas
 
     def _resolve_probe_rows(
         self, plan: StepPlan, slot_mapping: torch.Tensor
-    ) -> list[tuple[ScoreOp, torch.Tensor, torch.Tensor]]:
+    ) -> list[tuple[ScoreOp, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per probe of this step: (op, batch rows of its queries, their
+        positions, its candidate slots), the tensors on the index's device."""
         out = []
+        device = self.index.device
         for op in plan.scores:
             found, rows = self._step_rows(op.query_paged_slots)
             if not found.all():
                 logger.warning("sekv: %d probe queries missing from the batch", int((~found).sum()))
-            out.append((op, torch.from_numpy(rows), torch.from_numpy(op.query_positions[found])))
+            out.append((op, to_device(rows, slot_mapping.device), to_device(op.query_positions[found], device),
+                        to_device(op.candidate_slots, device)))
         return out
 
     def merge_coarse(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
@@ -482,29 +529,37 @@ class SekvWorkerSide:
             return
         layer_idx = self.layer_of[layer.layer_name]
         head_dim = self.geometry.head_dim
-        for op, rows, positions in probes:
+        for op, rows, positions, candidates in probes:
             if self.router is not None:
                 self._route(op, layer_idx, query, rows, positions)
                 continue
             acc = self._score_acc.get(op.req_id)
             if len(rows):
-                q = query[rows].reshape(len(rows), -1, head_dim).float().cpu()
+                device = self.index.device
+                q = query[rows].reshape(len(rows), -1, head_dim).float().to(device)
                 q = rotate_keys(q, -positions, self.rope)  # pre-RoPE
                 if self.index.query_space == "post":
                     q = rotate_keys(q, positions + op.query_virtual_offset, self.rope)
-                part = self.index.score(layer_idx, q, torch.from_numpy(op.candidate_slots))
+                part = self.index.score(layer_idx, q, candidates)
                 if acc is None:
-                    acc = torch.zeros((self.geometry.num_layers, *part.shape), dtype=torch.float32)
+                    acc = torch.zeros((self.geometry.num_layers, *part.shape), dtype=torch.float32, device=device)
                     self._score_acc[op.req_id] = acc
                 acc[layer_idx] += part
             if op.last and layer_idx == self.geometry.num_layers - 1:
-                done = self._score_acc.pop(op.req_id, None)
-                rows_out = done.reshape(-1, done.shape[-1]) if done is not None else None
-                self._scores_done[op.req_id] = (
-                    rows_out.numpy() if rows_out is not None
-                    else np.zeros((0, len(op.candidate_slots)), dtype=np.float32)
-                )
+                self._scores_done[op.req_id] = self._score_rows(self._score_acc.pop(op.req_id, None), op)
                 self.stats.add("probes", 1)
+
+    def _score_rows(self, acc: torch.Tensor | None, op: ScoreOp) -> np.ndarray:
+        """A finished probe's report: its rows per (layer, query head), or,
+        on a single rank, already combined into one row (the scheduler side
+        combines what the ranks send; one row combines to itself), so that a
+        long history's scores cross to the scheduler as one row."""
+        if acc is None:
+            return np.zeros((0, len(op.candidate_slots)), dtype=np.float32)
+        rows = acc.reshape(-1, acc.shape[-1])
+        if self.geometry.world_size == 1:
+            rows = combine_heads(rows, self.config.index_combine)[None]
+        return rows.cpu().numpy()
 
     def _route(self, op: ScoreOp, layer_idx: int, query: torch.Tensor, rows: torch.Tensor,
                positions: torch.Tensor) -> None:
@@ -513,18 +568,18 @@ class SekvWorkerSide:
         blocks' surprisal-weighted mean keys with all of them (one row: the
         router's combined relevance `P`, over layers and heads)."""
         kept = self._router_queries.setdefault(op.req_id, [[] for _ in range(self.geometry.num_layers)])
-        if len(rows):
+        if len(rows):  # the router runs on the host
             q = query[rows].reshape(len(rows), -1, self.geometry.head_dim).float().cpu()
-            kept[layer_idx].append(rotate_keys(q, -positions, self.rope))
+            kept[layer_idx].append(rotate_keys(q, -positions.cpu(), self.rope))
         if not (op.last and layer_idx == self.geometry.num_layers - 1):
             return
         del self._router_queries[op.req_id]
         slots = torch.from_numpy(op.candidate_slots)
-        valid = self.index.valid[slots]
+        valid = self.index.valid[slots.to(self.index.device)].cpu()
         combined = torch.zeros(len(slots), dtype=torch.float32)
-        if valid.any() and kept[0]:
+        if valid.any() and kept[0]:  # the router runs on the host
             queries = torch.stack([torch.cat(chunks) for chunks in kept])  # [L, M, Hq, D]
-            keys = self.index.entries[slots[valid], :, 0].float().transpose(0, 1)  # [L, B', H, D]
+            keys = self.index.entries[slots[valid].to(self.index.device), :, 0].float().cpu().transpose(0, 1)
             tokens = torch.full((keys.shape[1],), self.config.block_tokens, dtype=torch.int64)
             combined[valid] = self.router.scores(queries, keys, tokens).combined.float().cpu()
         self._scores_done[op.req_id] = combined[None].numpy()
@@ -534,6 +589,7 @@ class SekvWorkerSide:
         plan = self._plan
         if plan is None:
             return None
+        self._flush_captures()  # before the step is confirmed: its blocks may then be committed
         job, self._layerwise = self._layerwise, None
         if job is not None:
             job.finish()  # layers the forward did not reach: the cache never keeps stale KV

@@ -12,9 +12,33 @@ so that NVMe reads can land in a slot directly.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 PAGE_BYTES = 4096
+
+
+class _Offsets(dict):
+    """block_tokens -> arange(block_tokens), made once."""
+
+    def __missing__(self, bt: int) -> np.ndarray:
+        self[bt] = np.arange(bt)
+        return self[bt]
+
+
+_OFFSETS = _Offsets()
+
+
+@dataclass(frozen=True)
+class SlotRuns:
+    """Rows split for `HostPool.write_rows`: `whole` = (index of the run's
+    first row, its first slot, number of slots) for runs of whole consecutive
+    slots; `rest` = indices of the other rows."""
+
+    whole: list[tuple[int, int, int]]
+    rest: torch.Tensor
 
 
 class HostPool:
@@ -56,13 +80,47 @@ class HostPool:
         return 2 * num_layers * block_tokens * kv_heads * head_dim * itemsize
 
     def write_rows(
-        self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        runs: "SlotRuns | None" = None,
     ) -> None:
         """Store K/V `[n, kv_heads, head_dim]` of one layer at flat token rows
-        `rows[n]` (row = slot * block_tokens + offset)."""
-        slots, offsets = rows // self.block_tokens, rows % self.block_tokens
-        self.data[slots, 0, layer, offsets] = key.to(self.data.dtype)
-        self.data[slots, 1, layer, offsets] = value.to(self.data.dtype)
+        `rows[n]` (row = slot * block_tokens + offset). `runs` (`slot_runs(rows)`,
+        computed once for all layers) lets whole slots in a row be written as
+        slices (one memcpy each) instead of row by row."""
+        runs = runs if runs is not None else self.slot_runs(rows)
+        for begin, first_slot, count in runs.whole:
+            end = begin + count * self.block_tokens
+            shape = (count, self.block_tokens, *key.shape[1:])
+            self.data[first_slot : first_slot + count, 0, layer] = key[begin:end].view(shape)
+            self.data[first_slot : first_slot + count, 1, layer] = value[begin:end].view(shape)
+        rest = runs.rest
+        if len(rest):
+            slots, offsets = rows[rest] // self.block_tokens, rows[rest] % self.block_tokens
+            self.data[slots, 0, layer, offsets] = key[rest].to(self.data.dtype)
+            self.data[slots, 1, layer, offsets] = value[rest].to(self.data.dtype)
+
+    def slot_runs(self, rows: torch.Tensor) -> "SlotRuns":
+        """Split `rows` into runs of whole consecutive slots, each given in
+        order (offsets 0..block_tokens-1, slot after slot), and the rest."""
+        bt = self.block_tokens
+        r = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+        whole: list[tuple[int, int, int]] = []
+        rest: list[np.ndarray] = []
+        i, n = 0, len(r)
+        while i < n:
+            j = i
+            # Extend over whole slots that follow each other, rows in order.
+            while j + bt <= n and r[j] % bt == 0 and r[j + bt - 1] == r[j] + bt - 1 \
+                    and (j == i or r[j] == r[j - 1] + 1) and np.array_equal(r[j : j + bt], r[j] + _OFFSETS[bt]):
+                j += bt
+            if j > i:
+                whole.append((i, int(r[i] // bt), (j - i) // bt))
+                i = j
+            else:
+                rest.append(np.array([i]))
+                i += 1
+        rest_idx = torch.from_numpy(np.concatenate(rest)) if rest else torch.zeros(0, dtype=torch.int64)
+        return SlotRuns(whole, rest_idx)
 
     def read_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V `[n, kv_heads, head_dim]` of one layer at flat token rows."""
@@ -72,3 +130,13 @@ class HostPool:
     def block_keys(self, slot: int) -> torch.Tensor:
         """All keys of one slot, `[num_layers, block_tokens, kv_heads, head_dim]` (a view)."""
         return self.data[slot, 0]
+
+
+def to_device(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array (or CPU tensor) on `device`; on CUDA through pinned memory,
+    without synchronizing: code inside the forward pass must never wait for
+    the GPU (a plain host->device copy of pageable memory does)."""
+    tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

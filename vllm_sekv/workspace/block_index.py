@@ -15,6 +15,10 @@ head. Entries are kept in bfloat16 (an eighth of the block's K/V bytes for
 tokens by their surprisal (SeKV: `anchor_pre` keeps the key of the block's
 highest-surprisal token) take it per block in `add_many`.
 
+The index lives on `device` (the worker puts it on the GPU on CUDA: blocks'
+keys move there once, when indexed, and probes score there); queries must
+come on that device, scores go back on it.
+
 Runs in the worker process, on the forward thread; blocking.
 """
 from __future__ import annotations
@@ -36,12 +40,14 @@ class BlockIndex:
         rope: RopeSpec,
         kind: str = "sub4_pre",
         dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.kind = summaries.get_kind(kind)
         self.rope = rope
+        self.device = torch.device(device)
         s = self.kind.vectors_per_block
-        self.entries = torch.zeros((num_slots, num_layers, s, kv_heads, head_dim), dtype=dtype)
-        self.valid = torch.zeros(num_slots, dtype=torch.bool)
+        self.entries = torch.zeros((num_slots, num_layers, s, kv_heads, head_dim), dtype=dtype, device=self.device)
+        self.valid = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
 
     @property
     def query_space(self) -> str:
@@ -60,15 +66,17 @@ class BlockIndex:
         (`summaries.surprisal_weights`; uniform where unknown)."""
         for c in range(0, len(slots), chunk):
             idx = torch.tensor(slots[c : c + chunk], dtype=torch.int64)
-            starts = torch.tensor(start_tokens[c : c + chunk], dtype=torch.int64)
-            keys = pool.data[idx, 0]  # [n, L, T, H, D], post-RoPE
+            starts = torch.tensor(start_tokens[c : c + chunk], dtype=torch.int64, device=self.device)
+            keys = pool.data[idx, 0].to(self.device)  # [n, L, T, H, D], post-RoPE
+            idx = idx.to(self.device)
             n, num_layers, num_tokens, kv_heads, head_dim = keys.shape
             post = keys.permute(0, 2, 1, 3, 4).reshape(n * num_tokens, num_layers * kv_heads, head_dim).float()
-            positions = (starts[:, None] + torch.arange(num_tokens)[None, :]).reshape(-1)
+            positions = (starts[:, None] + torch.arange(num_tokens, device=self.device)[None, :]).reshape(-1)
             pre = rotate_keys(post, -positions, self.rope)
             weights = None
             if self.kind.uses_weights:
                 h = surprisal[c : c + chunk] if surprisal is not None else torch.zeros(n, num_tokens)
+                h = h.to(self.device)
                 weights = summaries.surprisal_weights(h.reshape(-1).float(), num_tokens)  # [n * T]
             summary = summaries.summarize_blocks(self.kind, pre, post, weights, block_tokens=num_tokens)
             s = summary.shape[1]  # [n, S, L*H, D] -> [n, L, S, H, D]
@@ -83,8 +91,9 @@ class BlockIndex:
         """queries [M, Hq, D] (in `query_space`), candidate `slots` [B] ->
         [Hq, B]: per query head, the sum over queries of the softmax over the
         candidates. Candidates not indexed take no part and score 0."""
+        slots = slots.to(self.device)
         valid = self.valid[slots]
-        out = torch.zeros((queries.shape[1], len(slots)), dtype=torch.float32)
+        out = torch.zeros((queries.shape[1], len(slots)), dtype=torch.float32, device=self.device)
         if valid.any():
             entries = self.entries[slots[valid], layer].float()  # [B', S, H, D]
             out[:, valid] = summaries.score_per_head(self.kind, queries.float(), entries)

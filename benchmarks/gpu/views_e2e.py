@@ -1,0 +1,251 @@
+"""A long agent session served from execution views inside real vLLM on the
+GPU machine (issue 7, item 4): Llama-3.1-8B geometry, dummy weights, bf16.
+
+    python benchmarks/gpu/views_e2e.py --sizes 65536 131072 262144 524288 --view-tokens 65536 \
+        --host-bytes 72G --out $OUT/views_e2e
+
+The session's history (random token ids) grows step by step to each size in
+`--sizes`; the growing step ingests the new history into the sekv workspace
+(KV in pinned host memory) through views. At each size, `--steps` agent steps
+are timed: the whole history plus 64 fresh tokens, served from a view of
+`--view-tokens` (probe pass: the new tokens' queries score every history block
+on the GPU index; final pass: sink + best blocks + recent restored with
+re-RoPE, then the new tokens). Per step: time to first token, and at the
+largest size also decode speed (per-token time of `--decode-tokens` greedy
+tokens). GPU memory (`torch.cuda.memory_allocated`, the engine runs in this
+process) is read after every size.
+
+Baseline, same invocation, own process: plain vLLM (no connector) with the
+same GPU memory setting and a plain context of `--view-tokens` tokens: cold
+(prefill) and warm (prefix cached) time to first token of a 64-token step, and
+decode speed at that context. Every figure is measured here; the engine runs
+in eager mode in both cases (`enforce_eager`).
+
+Writes OUT.json and OUT.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from restore_e2e import LLAMA31_8B  # noqa: E402
+
+NEW_TOKENS = 64
+GIB = 1 << 30
+
+
+class Session:
+    """One engine driven step by step (`LLMEngine.step`), so that the first
+    token and every later token are timed where they appear."""
+
+    def __init__(self, llm) -> None:
+        self.engine = llm.llm_engine
+        self.count = 0
+
+    def run(self, ids: list[int], max_tokens: int, extra: dict | None = None) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.count += 1
+        rid = f"r{self.count}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra or None)
+        t0 = time.perf_counter()
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+        first = last = None
+        tokens = 0
+        out = None
+        while True:
+            for o in self.engine.step():  # one request in flight: every output is its own
+                now = time.perf_counter()
+                n = len(o.outputs[0].token_ids)
+                if n and first is None:
+                    first = now
+                if n > tokens:
+                    tokens, last = n, now
+                if o.finished:
+                    out = o
+            if out is not None:
+                break
+        decode = (last - first) / (tokens - 1) if tokens > 1 else None
+        return {"ttft_s": first - t0, "total_s": time.perf_counter() - t0, "tokens": tokens,
+                "decode_s_per_token": decode, "num_cached_tokens": out.num_cached_tokens,
+                "kv_transfer_params": out.kv_transfer_params}
+
+
+def gpu_memory() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():  # a CPU smoke run of this script
+        return {"allocated_gib": 0.0, "reserved_gib": 0.0, "device_used_gib": 0.0}
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated_gib": torch.cuda.memory_allocated() / GIB, "reserved_gib": torch.cuda.memory_reserved() / GIB,
+            "device_used_gib": (total - free) / GIB}
+
+
+def make_llm(spec: dict):
+    from vllm import LLM
+
+    kwargs = {}
+    if spec["engine"] == "sekv":
+        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": spec["sekv"]}
+    return LLM(model=spec["model_dir"], load_format=spec["load_format"], skip_tokenizer_init=True,
+               enforce_eager=True, max_model_len=spec["max_model_len"],
+               gpu_memory_utilization=spec["gpu_memory_utilization"], enable_prefix_caching=True, seed=0,
+               **kwargs)
+
+
+def engine_main(spec: dict) -> None:
+    rng = random.Random("views-e2e")
+    vocab = spec["vocab"]
+    history = [rng.randrange(1000, vocab) for _ in range(max(spec["sizes"]))]
+
+    def question() -> list[int]:
+        return [rng.randrange(1000, vocab) for _ in range(NEW_TOKENS)]
+
+    t0 = time.perf_counter()
+    llm = make_llm(spec)
+    print(f"[{spec['engine']}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+    session = Session(llm)
+    rows: list[dict] = []
+    if spec["engine"] == "sekv":
+        extra = {"session_id": "agent", "view_tokens": spec["view_tokens"]}
+        for size in spec["sizes"]:
+            grow = session.run(history[:size] + question(), 1, extra)
+            print(f"[sekv] session grown to {size}: {grow['total_s']:.1f} s, {grow['kv_transfer_params']}", flush=True)
+            steps = [session.run(history[:size] + question(), 1, extra) for _ in range(spec["steps"])]
+            row = {"engine": "sekv", "session_tokens": size, "grow_s": grow["total_s"], "steps": steps,
+                   "ttft_s": statistics.median(s["ttft_s"] for s in steps), "memory": gpu_memory()}
+            if size == max(spec["sizes"]):
+                row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
+            rows.append(row)
+            print(f"[sekv] {size}: TTFT {row['ttft_s']:.3f} s (all {[round(s['ttft_s'], 3) for s in steps]}), "
+                  f"memory {row['memory']}, view {steps[-1]['kv_transfer_params']}", flush=True)
+    else:
+        context = history[: spec["view_tokens"]]
+        cold = session.run(context + question(), 1)
+        warm = [session.run(context + question(), 1) for _ in range(spec["steps"])]
+        decode = session.run(context + question(), spec["decode_tokens"] + 1)
+        rows.append({"engine": "plain", "context_tokens": len(context), "cold_ttft_s": cold["ttft_s"],
+                     "warm_ttft_s": statistics.median(s["ttft_s"] for s in warm), "warm": warm,
+                     "decode": decode, "memory": gpu_memory()})
+        print(f"[plain] cold {cold['ttft_s']:.3f} s, warm {rows[-1]['warm_ttft_s']:.3f} s, "
+              f"decode {decode['decode_s_per_token'] * 1e3:.2f} ms/token, {rows[-1]['memory']}", flush=True)
+    Path(spec["out"]).write_text(json.dumps(rows))
+
+
+def run_engine(spec: dict, workdir: Path) -> list[dict]:
+    path = workdir / f"{spec['engine']}.json"
+    spec = {**spec, "out": str(path.with_suffix(".rows.json"))}
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--engine-spec", str(path)], timeout=spec["timeout_s"], env=env)
+    if proc.returncode != 0:
+        print(f"engine {spec['engine']} failed with {proc.returncode}", flush=True)
+        return []
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list[str] | None = None) -> None:
+    plain = next((r for r in rows if r["engine"] == "plain"), None)
+    sekv = [r for r in rows if r["engine"] == "sekv"]
+    commands = commands or [f"python benchmarks/gpu/views_e2e.py {' '.join(sys.argv[1:])}"]
+    lines = [
+        "# GPU end to end: a long session served from execution views",
+        "",
+        "Command(s):",
+        "",
+        *[f"    {c}" for c in commands],
+        "",
+        f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, eager, one H200; "
+        f"views of {args.view_tokens} tokens, {NEW_TOKENS} new tokens per step, history KV in sekv's pinned "
+        f"host tier ({args.host_bytes}). Time to first token = probe (new tokens + block scoring on the GPU "
+        "index) + final pass (restore of the view with re-RoPE + new tokens), median of the steps. "
+        "GPU memory: `torch.cuda.memory_allocated` of the engine process after the size's steps.",
+        "",
+        "| session tokens | grow step (ingest) | TTFT per step | steps | restored tokens (last step) | "
+        "GPU memory allocated | vs plain warm TTFT |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sekv:
+        params = (r["steps"][-1].get("kv_transfer_params") or {}).get("sekv", {})
+        restored = params.get("restored_tokens", "—")
+        restored = sum(restored.values()) if isinstance(restored, dict) else restored
+        vs = f"{r['ttft_s'] / plain['warm_ttft_s']:.1f}x" if plain else "—"
+        each = ", ".join("{:.3f}".format(s["ttft_s"]) for s in r["steps"])
+        lines.append(f"| {r['session_tokens'] // 1024}K | {r['grow_s']:.1f} s | {r['ttft_s']:.3f} s | {each} | "
+                     f"{restored} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |")
+    if plain:
+        lines += ["", f"Plain vLLM, {plain['context_tokens'] // 1024}K context: cold TTFT {plain['cold_ttft_s']:.3f} s, "
+                  f"warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
+                  f"{plain['memory']['allocated_gib']:.2f} GiB."]
+    decode = next((r["decode"] for r in sekv if "decode" in r), None)
+    if decode and plain:
+        ratio = decode["decode_s_per_token"] / plain["decode"]["decode_s_per_token"]
+        lines += ["", f"Decode ({args.decode_tokens} tokens): sekv at {sekv[-1]['session_tokens'] // 1024}K session "
+                  f"{decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K "
+                  f"{plain['decode']['decode_s_per_token'] * 1e3:.2f} ms/token: {ratio:.3f}x."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": " && ".join(commands)}, indent=1))
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine-spec", help=argparse.SUPPRESS)
+    ap.add_argument("--engines", nargs="+", default=["sekv", "plain"])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[65536, 131072, 262144, 524288])
+    ap.add_argument("--view-tokens", type=int, default=65536)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--host-bytes", default="72G")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.72)
+    ap.add_argument("--model-dir", help="a real model instead of the dummy Llama-3.1-8B geometry")
+    ap.add_argument("--sekv", default="{}", help="more kv_connector_extra_config, as JSON")
+    ap.add_argument("--timeout-s", type=int, default=540)
+    ap.add_argument("--out", default="benchmarks/results/gpu/views_e2e")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="only write the report from these runs' JSON")
+    args = ap.parse_args()
+    if args.merge:
+        runs = [json.loads(Path(p).read_text()) for p in args.merge]
+        report([r for run in runs for r in run["rows"]], args, Path(args.out), [run["command"] for run in runs])
+        return
+    if args.engine_spec:
+        engine_main(json.loads(Path(args.engine_spec).read_text()))
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="views_e2e_"))
+    if args.model_dir:
+        model_dir, load_format = args.model_dir, "auto"
+        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    else:
+        model_dir, load_format, vocab = workdir / "llama31-8b", "dummy", LLAMA31_8B["vocab_size"]
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
+    base = {"model_dir": str(model_dir), "load_format": load_format, "vocab": vocab, "sizes": args.sizes,
+            "view_tokens": args.view_tokens, "steps": args.steps, "decode_tokens": args.decode_tokens,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s}
+    rows: list[dict] = []
+    for engine in args.engines:
+        if engine == "sekv":
+            sekv = {"host_bytes": args.host_bytes, "view_tokens": args.view_tokens, **json.loads(args.sekv)}
+            max_len = max(args.sizes) + NEW_TOKENS + args.decode_tokens + 64
+            rows += run_engine({**base, "engine": engine, "sekv": sekv, "max_model_len": max_len}, workdir)
+        else:
+            max_len = args.view_tokens + NEW_TOKENS + args.decode_tokens + 64
+            rows += run_engine({**base, "engine": engine, "max_model_len": max_len}, workdir)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report(rows, args, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The views' block index on the GPU (where the worker keeps it on CUDA)
+gives the entries and scores of the host index (skipped without CUDA)."""
+import pytest
+import torch
+
+from vllm_sekv.ops import RopeSpec
+from vllm_sekv.store import HostPool
+from vllm_sekv.workspace.block_index import BlockIndex
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+L, T, H, HQ, D, SLOTS = 3, 32, 2, 6, 64, 40
+
+
+@pytest.mark.parametrize("kind", ["sub4_pre", "mean_pre", "anchor_pre", "minmax_post"])
+def test_a_gpu_index_scores_like_the_host_index(kind):
+    g = torch.Generator().manual_seed(0)
+    rope = RopeSpec(inv_freq=1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D), rotary_dim=D)
+    pool = HostPool(SLOTS, L, T, H, D, torch.bfloat16, pin_memory=True)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    slots = list(range(3, 37))
+    starts = [s * T for s in range(len(slots))]
+    surprisal = torch.rand(len(slots), T, generator=g) * 5
+    host, gpu = (BlockIndex(SLOTS, L, H, D, rope, kind=kind, device=dev) for dev in ("cpu", "cuda"))
+    for index in (host, gpu):
+        index.add_many(pool, slots, starts, surprisal, chunk=16)
+    torch.testing.assert_close(gpu.entries.cpu(), host.entries, atol=2e-2, rtol=2e-2)
+    assert torch.equal(gpu.valid.cpu(), host.valid)
+    queries = torch.randn(9, HQ, D, generator=g)
+    candidates = torch.tensor([0, *slots[::2], 39])  # two never indexed: they score 0
+    for layer in range(L):
+        want = host.score(layer, queries, candidates)
+        got = gpu.score(layer, queries.cuda(), candidates)
+        assert got.is_cuda
+        torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=1e-3)
