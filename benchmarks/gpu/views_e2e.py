@@ -81,6 +81,21 @@ class Session:
                 "kv_transfer_params": out.kv_transfer_params}
 
 
+def profiled(step) -> str:
+    """The host-side profile of one step (cProfile, the engine runs in this
+    process): the 30 functions with the most cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(step)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+    print(out.getvalue(), flush=True)
+    return out.getvalue()
+
+
 def gpu_memory() -> dict:
     import torch
 
@@ -127,6 +142,8 @@ def engine_main(spec: dict) -> None:
                    "ttft_s": statistics.median(s["ttft_s"] for s in steps), "memory": gpu_memory()}
             if size == max(spec["sizes"]):
                 row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
+                if spec["profile"]:
+                    row["profile"] = profiled(lambda: session.run(history[:size] + question(), 1, extra))
             rows.append(row)
             print(f"[sekv] {size}: TTFT {row['ttft_s']:.3f} s (all {[round(s['ttft_s'], 3) for s in steps]}), "
                   f"memory {row['memory']}, view {steps[-1]['kv_transfer_params']}", flush=True)
@@ -212,6 +229,7 @@ def main() -> None:
     ap.add_argument("--model-dir", help="a real model instead of the dummy Llama-3.1-8B geometry")
     ap.add_argument("--sekv", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--timeout-s", type=int, default=540)
+    ap.add_argument("--profile", action="store_true", help="profile one more step at the largest size (host side)")
     ap.add_argument("--out", default="benchmarks/results/gpu/views_e2e")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only write the report from these runs' JSON")
     args = ap.parse_args()
@@ -232,7 +250,8 @@ def main() -> None:
         (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab": vocab, "sizes": args.sizes,
             "view_tokens": args.view_tokens, "steps": args.steps, "decode_tokens": args.decode_tokens,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s}
+            "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s,
+            "profile": args.profile}
     rows: list[dict] = []
     for engine in args.engines:
         if engine == "sekv":

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from vllm_sekv.connector.coarse import CoarseAttention
+from vllm_sekv.connector.coarse import CoarseAttention, StepRows
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
 from vllm_sekv.triton_kernels.coarse.reference import attention_with_lse
@@ -65,18 +65,19 @@ def test_merged_attention_equals_attention_over_view_and_expanded_summaries():
     # A step of 3 new tokens at view positions 12..14, in a batch of 5 rows.
     positions = torch.tensor([12, 13, 14])
     rows = torch.tensor([4, 0, 2])
+    step = StepRows.of(rows.numpy(), positions.numpy(), torch.device("cpu"))
     scale = 1.0 / math.sqrt(D)
     for layer in range(L):
         new_k = torch.randn((3, H, D), generator=g)
         new_v = torch.randn((3, H, D), generator=g)
         hist_v = torch.randn((12, H, D), generator=g)
-        coarse.keys_written("req", layer, new_k, positions)
+        coarse.keys_written("req", layer, new_k, step)
         q = torch.randn((5, HQ, D), generator=g)
         view_k, view_v = torch.cat([history[layer], new_k]), torch.cat([hist_v, new_v])
         out_view, _ = attention_with_lse(q[rows], view_k, view_v, scale, causal_offset=12)
         output = torch.zeros((5, HQ, D))
         output[rows] = out_view
-        coarse.merge("req", layer, q, output, rows, positions, scale)
+        coarse.merge("req", layer, q, output, step, scale)
         # Exact: the view's keys (causal) + summary s repeated n_s times (always visible).
         rep = torch.repeat_interleave(torch.arange(3), torch.from_numpy(spec.num_tokens))
         keys = torch.cat([view_k, k_sum[rep, layer]])
@@ -96,7 +97,7 @@ def test_rows_whose_view_keys_are_not_all_known_are_left_alone():
     coarse.begin("req", spec, keys, values, history[:, 4:], 4)  # positions 0..3 never written
     q, output = torch.randn((2, HQ, D), generator=g), torch.randn((2, HQ, D), generator=g)
     before = output.clone()
-    coarse.merge("req", 0, q, output, torch.tensor([0, 1]), torch.tensor([12, 13]), 0.3)
+    coarse.merge("req", 0, q, output, StepRows.of(np.array([0, 1]), np.array([12, 13]), torch.device("cpu")), 0.3)
     assert torch.equal(output, before) and coarse.skipped_rows == 2
     coarse.finish(["req"])
     assert not coarse.requests

@@ -41,6 +41,19 @@ from vllm_sekv.workspace.segment_summaries import group_weights
 logger = logging.getLogger("vllm_sekv")
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """One request's tokens in this step's batch, made once per step."""
+
+    rows: torch.Tensor  # [m] batch rows, on the batch's device
+    positions: torch.Tensor  # [m] view positions, on the host
+    positions_dev: torch.Tensor  # the same on the device
+
+    @classmethod
+    def of(cls, rows: np.ndarray, positions: np.ndarray, device: torch.device) -> "StepRows":
+        return cls(to_device(rows, device), torch.from_numpy(positions), to_device(positions, device))
+
+
 @dataclass
 class _Request:
     k_sum: torch.Tensor  # [L, S, H, D] post-RoPE at the summaries' view positions
@@ -92,7 +105,8 @@ class CoarseAttention:
         self._store(state, slice(None), torch.arange(history_start, history_start + history_keys.shape[1]),
                     history_keys)
 
-    def _store(self, state: _Request, layers: slice | int, positions: torch.Tensor, keys: torch.Tensor) -> None:
+    def _store(self, state: _Request, layers: slice | int, positions: torch.Tensor, keys: torch.Tensor,
+               positions_dev: torch.Tensor | None = None) -> None:
         if not len(positions):
             return
         need = int(positions.max()) + 1
@@ -101,35 +115,36 @@ class CoarseAttention:
             grow = max(need, 2 * capacity) - capacity
             state.keys = torch.cat([state.keys, state.keys.new_zeros((self.num_layers, grow, *state.keys.shape[2:]))], 1)
             state.known = torch.cat([state.known, state.known.new_zeros((self.num_layers, grow))], 1)
-        state.keys[layers, to_device(positions, self.device)] = keys.to(self.device, self.dtype)
+        if positions_dev is None:
+            positions_dev = to_device(positions, self.device)
+        state.keys[layers, positions_dev] = keys.to(self.device, self.dtype)
         state.known[layers, positions] = True
 
-    def keys_written(self, req_id: str, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
-        """This step's keys `[m, H, D]` (on the device) of the request's tokens
-        at view `positions` [m] (host)."""
+    def keys_written(self, req_id: str, layer: int, keys: torch.Tensor, step: StepRows) -> None:
+        """This step's keys `[m, H, D]` (on the device) of the request's tokens."""
         state = self.requests.get(req_id)
         if state is not None:
-            self._store(state, layer, positions, keys)
+            self._store(state, layer, step.positions, keys, step.positions_dev)
 
     def merge(self, req_id: str, layer: int, query: torch.Tensor, output: torch.Tensor,
-              rows: torch.Tensor, positions: torch.Tensor, scale: float) -> int:
-        """Merge the summaries into `output` rows `rows` (in place); returns
-        how many rows were merged. `query` `[tokens, Hq, D]` and `output`
-        `[tokens, Hq, D]` are the layer's attention input and output; `rows`
-        (on their device) index them; `positions` (host) are the rows' view
-        positions."""
+              step: StepRows, scale: float) -> int:
+        """Merge the summaries into the request's rows of `output` (in place);
+        returns how many rows were merged. `query` `[tokens, Hq, D]` and
+        `output` `[tokens, Hq, D]` are the layer's attention input and output."""
         state = self.requests.get(req_id)
+        rows, positions, positions_dev = step.rows, step.positions, step.positions_dev
         if state is None or not len(rows):
             return 0
         top = int(positions.max()) + 1
         complete = torch.cumprod(state.known[layer, :top].int(), 0).bool()[positions]
         if not bool(complete.all()):
             self.skipped_rows += int((~complete).sum())
-            rows, positions = rows[to_device(complete, rows.device)], positions[complete]
+            keep = to_device(complete, rows.device)
+            rows, positions_dev = rows[keep], positions_dev[keep]
             if not len(rows):
                 return 0
         q = query[rows]
-        lse_view = _view_lse(q, state.keys[layer, :top], to_device(positions, self.device), scale)
+        lse_view = _view_lse(q, state.keys[layer, :top], positions_dev, scale)
         merged, _ = coarse_merge(q, output[rows], lse_view, state.k_sum[layer], state.v_sum[layer],
                                  state.num_tokens, scale)
         output[rows] = merged.to(output.dtype)

@@ -15,16 +15,17 @@ Runs in each worker process, on the forward thread, in this order per step:
                    each layer's attention: a layerwise restore writes that
                    layer and enqueues the copy of a later one; never blocks;
   `capture_kv`     called by the attention hook once per layer, right after
-                   the platform wrote that layer's K/V: keeps the planned
-                   rows, keys rotated to their virtual positions, on the
-                   device (no copy to the host, no synchronization);
+                   the platform wrote that layer's K/V: keeps a copy of the
+                   planned rows on the device (no copy to the host, no
+                   synchronization);
   `observe_queries` called by the attention hook once per layer before
                    attention: a probe's queries score candidate blocks of the
                    index (accumulated over the probe's steps);
   (SeKV, `surprisal` on) after the model's forward, a hook records the
                    surprisal of the step's captured tokens (`SurprisalRecorder`);
   `build_worker_meta` after the forward: writes the step's captured rows of
-                   every layer into the host pool with one device->host copy,
+                   every layer into the host pool, keys rotated to their
+                   virtual positions, with one device->host copy,
                    writes any layer a layerwise restore
                    still holds (the cache never keeps stale KV), reports the
                    step as done, with capture failures, restore times and the
@@ -47,7 +48,7 @@ import torch
 
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.connector.coarse import CoarseAttention
+from vllm_sekv.connector.coarse import CoarseAttention, StepRows
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
@@ -126,7 +127,7 @@ class SekvWorkerSide:
         # the history it leaves out; this step's rows of each such request:
         # (req_id, batch rows, view positions).
         self.coarse: CoarseAttention | None = None
-        self._coarse_rows: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None  # rows on the device
+        self._coarse_rows: list[tuple[str, StepRows]] | None = None
         self._restored_keys: dict[str, torch.Tensor] = {}  # this step: req_id -> [L, n, H, D] written
         # SeKV lowrank(r) copies of host blocks (config `restore_codec`).
         self.lowrank: LowRankTier | None = None
@@ -421,30 +422,32 @@ class SekvWorkerSide:
                 self._coarse_rows = []
                 for op in plan.coarse:
                     found, rows = self._step_rows(op.query_paged_slots)
-                    self._coarse_rows.append((op.req_id, to_device(rows, key.device),
-                                              torch.from_numpy(op.query_positions[found])))
+                    self._coarse_rows.append((op.req_id, StepRows.of(rows, op.query_positions[found], key.device)))
             layer_idx = self.layer_of[layer.layer_name]
-            for req_id, rows, positions in self._coarse_rows:
-                self.coarse.keys_written(req_id, layer_idx, key[rows], positions)
+            for req_id, step in self._coarse_rows:
+                self.coarse.keys_written(req_id, layer_idx, key[step.rows], step)
         if not len(plan.capture_paged_slots):
             return
         batch_rows, host_rows, deltas = self._resolve_capture_rows(plan, slot_mapping)
-        if len(batch_rows):
-            keys = key[batch_rows]
-            if deltas is not None:  # to their virtual positions, on the device
-                keys = rotate_keys(keys, deltas, self.rope)
-            self._captured.append((self.layer_of[layer.layer_name], keys.to(self.pool.data.dtype),
-                                   value[batch_rows].to(self.pool.data.dtype)))
+        if len(batch_rows):  # copies: vLLM reuses its buffers
+            self._captured.append((self.layer_of[layer.layer_name], key[batch_rows], value[batch_rows]))
 
     def _flush_captures(self) -> None:
         """After the forward: this step's captured K/V of every layer into
-        their host rows, with one device->host copy (through a pinned buffer
-        on CUDA) instead of one synchronizing copy per layer."""
+        their host rows, keys rotated to their virtual positions, with one
+        rotation and one device->host copy (through a pinned buffer on CUDA)
+        for all layers instead of one synchronizing copy per layer."""
         captured, self._captured = self._captured, []
         if not captured:
             return
-        host_rows = self._capture_rows[2]
-        stacked = torch.stack([torch.stack([k, v]) for _, k, v in captured])  # [layers, 2, n, H, D]
+        _, _, host_rows, deltas = self._capture_rows
+        keys = torch.stack([k for _, k, _ in captured])  # [layers, n, H, D]
+        if deltas is not None:
+            layers, n, heads, dim = keys.shape
+            flat = keys.transpose(0, 1).reshape(n, layers * heads, dim)
+            keys = rotate_keys(flat, deltas, self.rope).reshape(n, layers, heads, dim).transpose(0, 1)
+        values = torch.stack([v for _, _, v in captured])
+        stacked = torch.stack([keys.to(self.pool.data.dtype), values.to(self.pool.data.dtype)], 1)  # [layers, 2, n, H, D]
         if stacked.is_cuda:
             if self._d2h is None or self._d2h.numel() < stacked.numel():
                 self._d2h = torch.empty(stacked.numel(), dtype=stacked.dtype, pin_memory=True)
@@ -517,8 +520,7 @@ class SekvWorkerSide:
         layer_idx = self.layer_of[layer.layer_name]
         q = query.view(query.shape[0], -1, head_dim)
         out = output.view(output.shape[0], -1, head_dim)
-        merged = sum(self.coarse.merge(req_id, layer_idx, q, out, rows, positions, scale)
-                     for req_id, rows, positions in self._coarse_rows)
+        merged = sum(self.coarse.merge(req_id, layer_idx, q, out, step, scale) for req_id, step in self._coarse_rows)
         self.stats.add("coarse_rows", merged)
 
     def observe_queries(self, layer: Any, query: torch.Tensor) -> None:
