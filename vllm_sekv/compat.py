@@ -413,6 +413,15 @@ def rewrite_request(request: Any, token_ids: list[int], cache_salt: str) -> None
     request.update_block_hashes()
 
 
+def hide_from_prefix_cache(request: Any, cache_salt: str) -> None:
+    """Keep a not-yet-scheduled request from matching vLLM's prefix cache
+    until it is rewritten (`rewrite_request`): a new salt and no block
+    hashes, so its lookup finds nothing. Cheaper than rewriting it in place
+    with its own tokens, which re-hashes the whole prompt."""
+    request.cache_salt = cache_salt
+    request.block_hashes = []
+
+
 def clamp_max_tokens(request: Any, most: int) -> None:
     """Generate at most `most` tokens (at least one)."""
     request.max_tokens = max(1, min(int(request.max_tokens), int(most)))

@@ -118,7 +118,7 @@ class ViewCoordinator:
         self.jobs[job.req_id] = job
         # Until its first pass is chosen the request must not hit vLLM's
         # prefix cache under its real tokens.
-        compat.rewrite_request(request, prompt, self._pass_salt(job))
+        compat.hide_from_prefix_cache(request, self._pass_salt(job))
         return True
 
     def _pass_salt(self, job: ViewJob) -> str:
