@@ -265,9 +265,7 @@ class SekvWorkerSide:
             else:
                 geo = self.geometry
                 history = torch.zeros((geo.num_layers, 0, geo.kv_heads, geo.head_dim))
-            rows = torch.from_numpy(spec.host_rows)
-            slots, offsets = rows // self.config.block_tokens, rows % self.config.block_tokens
-            keys, values = self.pool.data[slots, 0, :, offsets], self.pool.data[slots, 1, :, offsets]
+            keys, values = self.pool.read_rows_all_layers(torch.from_numpy(spec.host_rows))
             self.coarse.begin(op.req_id, spec, keys, values, history, start)
             self.stats.add("summaries", len(spec.num_tokens))
             self.stats.add("summary_bytes", self.coarse.summary_bytes(op.req_id))
@@ -276,9 +274,7 @@ class SekvWorkerSide:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated by `rope_deltas`, as a restore writes them) and V of host
         rows, every layer: `[L, n, H, D]` each, on the host."""
-        rows = torch.from_numpy(host_rows)
-        slots, offsets = rows // self.config.block_tokens, rows % self.config.block_tokens
-        keys, values = self.pool.data[slots, 0, :, offsets], self.pool.data[slots, 1, :, offsets]  # [n, L, H, D]
+        keys, values = self.pool.read_rows_all_layers(torch.from_numpy(host_rows))  # [n, L, H, D]
         if rope_deltas is not None:
             n, num_layers, heads, dim = keys.shape
             keys = rotate_keys(keys.reshape(n, num_layers * heads, dim), torch.from_numpy(rope_deltas),

@@ -127,6 +127,11 @@ class HostPool:
         slots, offsets = rows // self.block_tokens, rows % self.block_tokens
         return self.data[slots, 0, layer, offsets], self.data[slots, 1, layer, offsets]
 
+    def read_rows_all_layers(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `[n, num_layers, kv_heads, head_dim]` of every layer at flat token rows."""
+        slots, offsets = rows // self.block_tokens, rows % self.block_tokens
+        return self.data[slots, 0, :, offsets], self.data[slots, 1, :, offsets]
+
     def block_keys(self, slot: int) -> torch.Tensor:
         """All keys of one slot, `[num_layers, block_tokens, kv_heads, head_dim]` (a view)."""
         return self.data[slot, 0]
