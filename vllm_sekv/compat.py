@@ -402,9 +402,13 @@ def kv_capacity_tokens(kv_cache_config: Any, vllm_config: "VllmConfig") -> int:
 
 
 def rewrite_request(request: Any, token_ids: list[int], cache_salt: str) -> None:
-    """Replace a not-yet-computed request's tokens (and cache salt) in place,
-    as vLLM's own streaming-session update does; its block hashes follow."""
+    """Replace a not-yet-computed request's tokens (and cache salt) in place
+    with a view pass's, as vLLM's own streaming-session update does. Its block
+    hashes follow: opaque ones where the engine core's hasher knows views
+    (`hash_views_opaquely`), content hashes otherwise; either way unique to
+    `cache_salt`."""
     request.cache_salt = cache_salt
+    setattr(request, _VIEW_SALT, cache_salt)
     request.prompt_token_ids = list(token_ids)
     request._output_token_ids.clear()
     request._all_token_ids[:] = token_ids  # in place: `all_token_ids` is a view of it
@@ -419,7 +423,71 @@ def hide_from_prefix_cache(request: Any, cache_salt: str) -> None:
     hashes, so its lookup finds nothing. Cheaper than rewriting it in place
     with its own tokens, which re-hashes the whole prompt."""
     request.cache_salt = cache_salt
+    setattr(request, _VIEW_SALT, cache_salt)
     request.block_hashes = []
+
+
+# The pass salt of a request served from views (set by the two helpers above).
+_VIEW_SALT = "_sekv_view_salt"
+_OPAQUE_PREFIX = b"sekv-view-block\x00"
+# The view admission test of the sekv scheduler built last in this process,
+# for the engine core's block hasher built next (`hash_views_opaquely`).
+_pending_admission: Any = None
+
+
+def hash_views_opaquely(serves_from_views: Any) -> None:
+    """Spare requests served from views vLLM's prefix-cache hashing.
+
+    vLLM hashes every full block of a prompt when it creates the request (the
+    engine core's `request_block_hasher`) and again whenever a connector
+    rewrites it; at 416K tokens that cost 0.4 s per agent step. A view job
+    never uses those hashes: admission drops the prompt's, and each view pass
+    carries a salt of its own, so no lookup can ever match them.
+
+    Call from the scheduler's constructor: in both supported versions the
+    engine core builds its hasher right after its scheduler (that is when
+    `serves_from_views`, a bound method held weakly, is taken up). That hasher
+    then gives
+    * no hashes to a new request `serves_from_views(request)` says will be
+      served from views (admission would drop them);
+    * a request rewritten into a view pass opaque hashes: one per full block,
+      from the pass salt and the block's index, never equal to a content hash
+      (a different length and prefix).
+    Every other request is hashed by vLLM's own hasher."""
+    import weakref
+
+    import vllm.v1.engine.core as engine_core
+
+    global _pending_admission
+    make = engine_core.get_request_block_hasher
+    if not getattr(make, "_sekv_wrapped", False):
+        engine_core.get_request_block_hasher = _view_aware_hasher_factory(make)
+    _pending_admission = weakref.WeakMethod(serves_from_views)
+
+
+def _view_aware_hasher_factory(make: Any) -> Any:
+    def get_request_block_hasher(hash_block_size: int, *args: Any, **kwargs: Any) -> Any:
+        global _pending_admission
+        inner = make(hash_block_size, *args, **kwargs)
+        pending, _pending_admission = _pending_admission, None
+        serves_from_views = pending() if pending is not None else None
+        if serves_from_views is None:
+            return inner
+
+        def request_block_hasher(request: Any) -> list[Any]:
+            salt = getattr(request, _VIEW_SALT, None)
+            if salt is not None:
+                first, end = len(request.block_hashes), request.num_tokens // hash_block_size
+                root = _OPAQUE_PREFIX + hashlib.blake2b(salt.encode(), digest_size=16).digest()
+                return [root + i.to_bytes(8, "little") for i in range(first, end)]
+            if not request.block_hashes and not request.num_output_tokens and serves_from_views(request):
+                return []
+            return inner(request)
+
+        return request_block_hasher
+
+    get_request_block_hasher._sekv_wrapped = True  # type: ignore[attr-defined]
+    return get_request_block_hasher
 
 
 def clamp_max_tokens(request: Any, most: int) -> None:

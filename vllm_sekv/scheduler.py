@@ -5,7 +5,8 @@ Everything view-specific is decided by the connector's `ViewCoordinator`;
 this class only places the three calls vLLM's scheduler offers no hook for:
 
 * `add_request`: a prompt longer than its view budget becomes a view job
-  (and every request's generation stays inside the model's window);
+  (and every request's generation stays inside the model's window); vLLM's
+  prefix-cache hashing spares view jobs (`compat.hash_views_opaquely`);
 * the per-request cap on a step's prefill tokens (`compat.prefill_cap_mixin`):
   a pass that must not sample stops one token short of its end;
 * `update_from_output`: a finished non-sampling pass leaves the engine and
@@ -28,6 +29,7 @@ class SekvScheduler(compat.prefill_cap_mixin(), Scheduler):
         self._views = getattr(self.connector, "views", None)
         if self._views is not None:
             self._sekv_enable_cap()
+            compat.hash_views_opaquely(self._views.serves_from_views)
 
     def add_request(self, request: Any) -> None:
         if self._views is not None and not compat.is_known_request(self, request):

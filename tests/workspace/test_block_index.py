@@ -51,6 +51,7 @@ def test_sub_block_entries_and_score_match_a_direct_computation():
     assert torch.all(got[:, 2] == 0)  # slot 0 was never indexed: no part in the softmax
     torch.testing.assert_close(got[:, 0], got[:, 1])
     torch.testing.assert_close(got.sum(-1), torch.full((4,), 5.0))
+    assert torch.all(index.score(1, q, torch.tensor([0, 3])) == 0)  # none indexed: all 0
 
 
 @pytest.mark.parametrize("start", [0, 96])

@@ -95,16 +95,24 @@ class ViewCoordinator:
         tokens = max(min(view, room) // bt * bt, least)
         return ViewBudget(bt, tokens, cfg.sink_tokens, cfg.recent_tokens)
 
+    def _budget_of(self, request: Any, warn: bool) -> ViewBudget:
+        try:
+            own = compat.request_view_tokens(request)
+        except ValueError as e:  # the engine core cannot reject a request: say so, go on
+            if warn:
+                logger.warning("%s (request %s); the server's view budget applies", e, request.request_id)
+            own = None
+        return self.budget_for(request.max_tokens, own)
+
+    def serves_from_views(self, request: Any) -> bool:
+        """Whether `admit` will make `request` a view job: its prompt exceeds its budget."""
+        return len(request.prompt_token_ids or ()) > self._budget_of(request, warn=False).view_tokens
+
     def admit(self, request: Any) -> bool:
         """Make `request` a view job if its prompt exceeds its budget; either
         way keep its generation inside the model's window."""
         prompt = list(request.prompt_token_ids or ())
-        try:
-            own = compat.request_view_tokens(request)
-        except ValueError as e:  # the engine core cannot reject a request: say so, go on
-            logger.warning("%s (request %s); the server's view budget applies", e, request.request_id)
-            own = None
-        budget = self.budget_for(request.max_tokens, own)
+        budget = self._budget_of(request, warn=True)
         if len(prompt) <= budget.view_tokens:
             compat.clamp_max_tokens(request, self.window_tokens - len(prompt))
             return False

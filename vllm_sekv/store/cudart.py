@@ -1,4 +1,4 @@
-"""The one CUDA runtime call torch does not expose: pitched (2D) async copies.
+"""CUDA runtime calls torch does not expose the way sekv needs them.
 
 `copy2d_async(dst_ptr, dst_pitch_bytes, src_ptr, src_pitch_bytes, width_bytes,
 height, stream)` enqueues `cudaMemcpy2DAsync` (kind `cudaMemcpyDefault`: the
@@ -6,6 +6,11 @@ direction follows from the pointers, UVA) on `stream` (a `torch.cuda.Stream`).
 It moves `height` rows of `width_bytes` each in one DMA command, so one layer
 of many consecutive host-pool slots (rows `slot_bytes` apart) reaches the
 device in one call. Non-blocking when the host side is pinned.
+
+`register_host(ptr, nbytes)` page-locks (pins) an existing host allocation of
+exactly `nbytes` (`cudaHostRegister`), `unregister_host(ptr)` undoes it. Torch's
+`pin_memory=True` goes through its caching host allocator, which rounds every
+allocation up to a power of two: a 66 GiB host tier would pin 128 GiB.
 
 The runtime is the libcudart torch already loaded in this process (found in
 `/proc/self/maps`), so the call shares torch's context and streams. `available()`
@@ -19,6 +24,7 @@ import functools
 from typing import Any
 
 _CUDA_MEMCPY_DEFAULT = 4
+_CUDA_HOST_REGISTER_DEFAULT = 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,6 +48,10 @@ def _runtime() -> Any | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                        ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cudaHostRegister.restype = ctypes.c_int
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.restype = ctypes.c_int
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         return lib
@@ -49,8 +59,33 @@ def _runtime() -> Any | None:
 
 
 def available() -> bool:
-    """Whether pitched copies can be enqueued in this process."""
+    """Whether these calls can be made in this process."""
     return _runtime() is not None
+
+
+def _lib() -> Any:
+    lib = _runtime()
+    if lib is None:
+        raise RuntimeError("sekv: no CUDA runtime in this process")
+    return lib
+
+
+def _check(lib: Any, err: int, call: str) -> None:
+    if err:
+        raise RuntimeError(f"sekv: {call} failed: {lib.cudaGetErrorString(err).decode()}")
+
+
+def register_host(ptr: int, nbytes: int) -> None:
+    """Page-lock `nbytes` of host memory at `ptr` for DMA (every page is
+    touched and locked now; expect seconds per tens of GiB)."""
+    lib = _lib()
+    _check(lib, lib.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_DEFAULT), f"cudaHostRegister of {nbytes} bytes")
+
+
+def unregister_host(ptr: int) -> None:
+    """Undo `register_host(ptr, ...)`."""
+    lib = _lib()
+    _check(lib, lib.cudaHostUnregister(ptr), "cudaHostUnregister")
 
 
 def copy2d_async(dst_ptr: int, dst_pitch_bytes: int, src_ptr: int, src_pitch_bytes: int,
@@ -58,10 +93,7 @@ def copy2d_async(dst_ptr: int, dst_pitch_bytes: int, src_ptr: int, src_pitch_byt
     """Enqueue `height` rows of `width_bytes` from `src_ptr` (rows
     `src_pitch_bytes` apart) to `dst_ptr` (rows `dst_pitch_bytes` apart) on
     `stream`. The caller keeps both buffers alive until the stream passes it."""
-    lib = _runtime()
-    if lib is None:
-        raise RuntimeError("sekv: no CUDA runtime in this process for pitched copies")
+    lib = _lib()
     err = lib.cudaMemcpy2DAsync(dst_ptr, dst_pitch_bytes, src_ptr, src_pitch_bytes, width_bytes,
                                 height, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
-    if err:
-        raise RuntimeError(f"sekv: cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()}")
+    _check(lib, err, "cudaMemcpy2DAsync")

@@ -7,15 +7,19 @@ block; slot ids are handed out by the scheduler-side catalog.
 
 Runs in the worker process on the forward thread; every call is blocking and
 mutates only the slots it is given. Allocation reserves virtual memory only
-(pages are touched as slots fill). The tensor is page-aligned (pinned on CUDA)
-so that NVMe reads can land in a slot directly.
+(pages are touched as slots fill), except with `pin_memory` (CUDA), where the
+whole tier is page-locked at start-up (`cudart.register_host`). The tensor is
+page-aligned so that NVMe reads can land in a slot directly.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from vllm_sekv.store import cudart
 
 PAGE_BYTES = 4096
 
@@ -54,15 +58,19 @@ class HostPool:
     ) -> None:
         self.block_tokens = block_tokens
         shape = (num_slots, 2, num_layers, block_tokens, kv_heads, head_dim)
-        if pin_memory:  # pinned allocations are page-aligned already
-            self.data = torch.empty(shape, dtype=dtype, pin_memory=True)
-            return
         # Page-aligned, so that slots can be the target of O_DIRECT reads.
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = itemsize * num_slots * 2 * num_layers * block_tokens * kv_heads * head_dim
         raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
         offset = -raw.data_ptr() % PAGE_BYTES
         self.data = raw[offset : offset + nbytes].view(dtype).view(shape)
+        if pin_memory and nbytes:
+            # Pinned at exactly its size (torch's pinned allocator would round
+            # it up to a power of two). Touching every page first spreads the
+            # page faults over torch's threads; registering then only locks.
+            raw.zero_()
+            cudart.register_host(self.data.data_ptr(), nbytes)
+            weakref.finalize(self, cudart.unregister_host, self.data.data_ptr())
 
     @property
     def num_slots(self) -> int:

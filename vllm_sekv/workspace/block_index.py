@@ -90,11 +90,14 @@ class BlockIndex:
     def score(self, layer: int, queries: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """queries [M, Hq, D] (in `query_space`), candidate `slots` [B] ->
         [Hq, B]: per query head, the sum over queries of the softmax over the
-        candidates. Candidates not indexed take no part and score 0."""
+        candidates. Candidates not indexed take no part and score 0.
+
+        Never waits for the device (it runs inside the forward pass): every
+        candidate is scored and the unindexed ones are masked out, instead of
+        selecting the indexed ones (a data-dependent shape)."""
         slots = slots.to(self.device)
         valid = self.valid[slots]
-        out = torch.zeros((queries.shape[1], len(slots)), dtype=torch.float32, device=self.device)
-        if valid.any():
-            entries = self.entries[slots[valid], layer].float()  # [B', S, H, D]
-            out[:, valid] = summaries.score_per_head(self.kind, queries.float(), entries)
-        return out
+        entries = self.entries[slots, layer].float()  # [B, S, H, D]
+        logits = summaries.block_logits(self.kind, queries.float(), entries)  # [M, Hq, B]
+        probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+        return probs.nan_to_num_(0.0).sum(0)  # no candidate indexed: 0/0 -> 0

@@ -1,0 +1,106 @@
+"""The floor under any restore's time to first token inside vLLM (issue 7, item 3).
+
+    python benchmarks/gpu/step_floor.py --lengths 65536 130048 --out $OUT/step_floor
+
+A follow-up step after vLLM's GPU prefix cache was reset cannot show its first
+token before two things that happen one after the other:
+
+1. vLLM creates the request: the engine core hashes every full block of the
+   prompt for its prefix cache (`Request` with the engine core's block hasher,
+   vLLM's default hash and 16-token blocks). No connector hook runs before
+   this, and a restore that is to be found by later steps needs these hashes.
+2. The history's KV crosses PCIe: its bytes (Llama-3.1-8B geometry, bf16) at
+   the pinned host->device bandwidth measured here.
+
+The floor is their sum; the rest of vLLM's step (scheduling, the forward pass,
+sampling) comes on top, partly hidden under the transfer. Measured with the
+real vLLM `Request` and hasher and a real pinned copy; nothing is estimated.
+Writes OUT.json and OUT.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from restore_e2e import LLAMA31_8B, h2d_bandwidth  # noqa: E402
+
+HASH_BLOCK_TOKENS = 16
+# The issue's targets for the follow-up step's time to first token.
+TARGETS_S = {65536: 0.19, 130048: 10.4 / 30}
+
+
+def bytes_per_token(geometry: dict) -> int:
+    return 2 * geometry["num_hidden_layers"] * geometry["num_key_value_heads"] * geometry["head_dim"] * 2
+
+
+def request_creation_s(num_tokens: int, repeats: int = 5) -> float:
+    """Median seconds for vLLM to create a request of `num_tokens` prompt
+    tokens with the engine core's block hasher (default hash algorithm)."""
+    from vllm.config import CacheConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name(CacheConfig().prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(HASH_BLOCK_TOKENS, hash_fn)
+    rng = random.Random(num_tokens)
+    times = []
+    for i in range(repeats):
+        tokens = [rng.randrange(1000, LLAMA31_8B["vocab_size"]) for _ in range(num_tokens)]
+        t0 = time.perf_counter()
+        Request(f"r{i}", tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 130048])
+    ap.add_argument("--out", default="benchmarks/results/gpu/step_floor")
+    args = ap.parse_args()
+    import torch
+    import vllm
+
+    bandwidth = h2d_bandwidth(1)
+    rows = []
+    for length in args.lengths:
+        hashing = request_creation_s(length)
+        transfer = length * bytes_per_token(LLAMA31_8B) / bandwidth
+        rows.append({"history_tokens": length, "request_creation_s": hashing, "transfer_bound_s": transfer,
+                     "floor_s": hashing + transfer, "target_s": TARGETS_S.get(length)})
+        print(rows[-1], flush=True)
+    lines = [
+        "# The floor under a restore's time to first token inside vLLM",
+        "",
+        f"    python benchmarks/gpu/step_floor.py {' '.join(sys.argv[1:])}",
+        "",
+        f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}; pinned host->device "
+        f"{bandwidth / 1e9:.1f} GB/s measured here; Llama-3.1-8B KV ({bytes_per_token(LLAMA31_8B) // 1024} KiB "
+        f"per token); vLLM's default prefix-cache hash, {HASH_BLOCK_TOKENS}-token blocks. Request creation: "
+        "median of 5.",
+        "",
+        "| history | vLLM creates the request (hashing) | KV transfer bound | floor (sum) | issue's target |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        target = f"{r['target_s']:.3f} s" if r["target_s"] else "—"
+        lines.append(f"| {r['history_tokens'] // 1024}K | {r['request_creation_s'] * 1e3:.1f} ms | "
+                     f"{r['transfer_bound_s'] * 1e3:.1f} ms | {r['floor_s'] * 1e3:.1f} ms | {target} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "bandwidth_bytes_per_s": bandwidth,
+                                                    "vllm": vllm.__version__}, indent=1))
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
