@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from vllm_sekv.store import HostPool
+from vllm_sekv.store import cudart
 from vllm_sekv.store.host_pool import PAGE_BYTES
 
 
@@ -62,7 +63,8 @@ def test_rows_in_whole_slots_are_written_as_slices_with_the_same_result():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host tiers exist on CUDA only")
 def test_a_pinned_pool_is_page_locked_at_its_own_size_and_round_trips_through_the_gpu():
     pool = HostPool(3, 2, 16, 2, 8, torch.bfloat16, pin_memory=True)
-    assert pool.data.is_pinned() and pool.data.data_ptr() % PAGE_BYTES == 0
+    assert cudart.is_page_locked(pool.data) and pool.data.data_ptr() % PAGE_BYTES == 0
+    assert not cudart.is_page_locked(torch.empty(4))
     pool.data.copy_(torch.randn(pool.data.shape))
     on_gpu = pool.data.to("cuda", non_blocking=True)
     back = torch.empty_like(pool.data).pin_memory()

@@ -8,7 +8,8 @@ of many consecutive host-pool slots (rows `slot_bytes` apart) reaches the
 device in one call. Non-blocking when the host side is pinned.
 
 `register_host(ptr, nbytes)` page-locks (pins) an existing host allocation of
-exactly `nbytes` (`cudaHostRegister`), `unregister_host(ptr)` undoes it. Torch's
+exactly `nbytes` (`cudaHostRegister`), `unregister_host(ptr)` undoes it, and
+`is_page_locked(tensor)` tells either kind of pinned memory apart. Torch's
 `pin_memory=True` goes through its caching host allocator, which rounds every
 allocation up to a power of two: a 66 GiB host tier would pin 128 GiB.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 _CUDA_MEMCPY_DEFAULT = 4
 _CUDA_HOST_REGISTER_DEFAULT = 0
+_CUDA_MEMORY_TYPE_HOST = 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,6 +54,8 @@ def _runtime() -> Any | None:
         lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cudaHostUnregister.restype = ctypes.c_int
         lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cudaPointerGetAttributes.restype = ctypes.c_int
+        lib.cudaPointerGetAttributes.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         return lib
@@ -86,6 +90,22 @@ def unregister_host(ptr: int) -> None:
     """Undo `register_host(ptr, ...)`."""
     lib = _lib()
     _check(lib, lib.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+def is_page_locked(tensor: Any) -> bool:
+    """Whether a host tensor's memory is pinned, by torch's allocator or by
+    `register_host` (torch's `is_pinned` knows only its own allocations)."""
+    if tensor.is_pinned():
+        return True
+    lib = _runtime()
+    if lib is None or tensor.device.type != "cpu":
+        return False
+    # struct cudaPointerAttributes: the memory type (enum, int) comes first;
+    # the buffer is larger than any version of the struct.
+    attrs = (ctypes.c_int * 32)()
+    if lib.cudaPointerGetAttributes(ctypes.addressof(attrs), tensor.data_ptr()):
+        return False
+    return attrs[0] == _CUDA_MEMORY_TYPE_HOST
 
 
 def copy2d_async(dst_ptr: int, dst_pitch_bytes: int, src_ptr: int, src_pitch_bytes: int,

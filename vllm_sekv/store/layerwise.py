@@ -72,7 +72,7 @@ class LayerwiseRestore:
         self.num_blocks = len(host_slots)
         self.runs = slot_runs(host_slots)
         self._cuda = self.device.type == "cuda"
-        if self._cuda and (copy_stream is None or not pool.is_pinned()):
+        if self._cuda and (copy_stream is None or not cudart.is_page_locked(pool)):
             raise ValueError("on CUDA a layerwise restore needs a copy stream and a pinned pool")
         chunk = pool.shape[3:]
         self._bufs = [torch.empty((2, self.num_blocks, *chunk), dtype=pool.dtype, device=self.device)

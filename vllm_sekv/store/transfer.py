@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from vllm_sekv import ops
+from vllm_sekv.store import cudart
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
 
 GATHER_MODES = ("gather", "direct")
@@ -222,7 +223,7 @@ class RestorePipeline:
         if not self.is_cuda:
             return self._restore_cpu(pool, host_slots, key_caches, value_caches, slots_dev, deltas_dev, rope,
                                      device_buffer, device_rows)
-        direct = self.mode == "direct" and pool.is_pinned()
+        direct = self.mode == "direct" and cudart.is_page_locked(pool)
         compute = torch.cuda.current_stream(self.device)
         # Rows of device_buffer may still be read by earlier compute work.
         self.copy_stream.wait_stream(compute)
