@@ -144,6 +144,8 @@ def engine_main(spec: dict) -> None:
                 row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
                 if spec["profile"]:
                     row["profile"] = profiled(lambda: session.run(history[:size] + question(), 1, extra))
+                    row["decode_profile"] = profiled(
+                        lambda: session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra))
             rows.append(row)
             print(f"[sekv] {size}: TTFT {row['ttft_s']:.3f} s (all {[round(s['ttft_s'], 3) for s in steps]}), "
                   f"memory {row['memory']}, view {steps[-1]['kv_transfer_params']}", flush=True)
@@ -229,7 +231,8 @@ def main() -> None:
     ap.add_argument("--model-dir", help="a real model instead of the dummy Llama-3.1-8B geometry")
     ap.add_argument("--sekv", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--timeout-s", type=int, default=540)
-    ap.add_argument("--profile", action="store_true", help="profile one more step at the largest size (host side)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more step, and one more decode, at the largest size (host side)")
     ap.add_argument("--out", default="benchmarks/results/gpu/views_e2e")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only write the report from these runs' JSON")
     args = ap.parse_args()
