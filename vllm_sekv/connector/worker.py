@@ -146,15 +146,19 @@ class SekvWorkerSide:
         rank = {layer: i for i, layer in enumerate(layers)}
         self.layer_of = {name: rank[idx] for name, idx in self.layer_of.items()}
         device = next(iter(kv_caches.values())).device
-        self.pool = HostPool(
-            self.num_slots,
-            geo.num_layers,
-            self.config.block_tokens,
-            geo.kv_heads,
-            geo.head_dim,
-            geo.dtype,
-            pin_memory=device.type == "cuda",
-        )
+        try:
+            self.pool = HostPool(
+                self.num_slots,
+                geo.num_layers,
+                self.config.block_tokens,
+                geo.kv_heads,
+                geo.head_dim,
+                geo.dtype,
+                pin_memory=device.type == "cuda",
+            )
+        except RuntimeError as e:  # page-locking the tier failed (CUDA), or no memory for it
+            raise RuntimeError(f"sekv config 'host_bytes': the host tier of {self.config.host_bytes} bytes "
+                               f"could not be allocated and pinned ({e}); lower host_bytes") from e
         if device.type == "cuda":
             self.pipeline = RestorePipeline(tuple(self.pool.data.shape[1:]), geo.dtype, device)
             if self.config.restore_mode == "layerwise" and not cudart.available():
