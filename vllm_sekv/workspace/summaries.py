@@ -136,19 +136,33 @@ def _sub_means_anchor(keys: Tensor, weights: Optional[Tensor], parts: int) -> Te
 
 
 def _gqa_dot(queries: Tensor, summaries: Tensor) -> Tensor:
-    """queries [..., Hq, D], summaries [B, S, H, D] -> [..., Hq, B, S] of q.k / sqrt(D)."""
+    """queries [..., Hq, D], summaries [B, S, H, D] -> [H, M, Hq/H, B, S] of
+    q.k / sqrt(D), M the queries' leading dims flattened: one batched matmul
+    per KV head over the summaries' own memory (the (B, S) rows of head g are
+    a strided view), its output in the layout the matmul writes. Reduce over
+    S before `_per_query_head`, which is the only copy of the result."""
     hq, d = queries.shape[-2:]
     b, s, h, d2 = summaries.shape
     if d != d2 or hq % h:
         raise ValueError(f"queries [..., {hq}, {d}] do not fit summaries [{b}, {s}, {h}, {d2}]")
-    q = queries.reshape(*queries.shape[:-2], h, hq // h, d)
-    out = torch.einsum("...grd,bsgd->...grbs", q, summaries.to(queries.dtype))
-    return out.reshape(*queries.shape[:-2], hq, b, s) / math.sqrt(d)
+    q = queries.reshape(-1, h, hq // h, d)
+    m = q.shape[0]
+    q = (q / math.sqrt(d)).permute(1, 0, 2, 3).reshape(h, m * (hq // h), d)
+    keys = summaries.to(queries.dtype).reshape(b * s, h, d).permute(1, 2, 0)  # [H, D, B*S], a view
+    return torch.matmul(q, keys).view(h, m, hq // h, b, s)
+
+
+def _per_query_head(grouped: Tensor, queries: Tensor) -> Tensor:
+    """[H, M, Hq/H, B] (from `_gqa_dot`, reduced over S) -> [..., Hq, B] in the queries' leading dims."""
+    h, m, r, b = grouped.shape
+    return grouped.permute(1, 0, 2, 3).reshape(*queries.shape[:-2], h * r, b)
 
 
 def _lse_logits(queries: Tensor, summaries: Tensor) -> Tensor:
     """Block log-relevance = logsumexp over the block's S vectors (S=1: the plain dot)."""
-    return torch.logsumexp(_gqa_dot(queries, summaries), dim=-1)
+    dots = _gqa_dot(queries, summaries)
+    reduced = dots[..., 0] if dots.shape[-1] == 1 else torch.logsumexp(dots, dim=-1)
+    return _per_query_head(reduced, queries)
 
 
 def _minmax_logits(queries: Tensor, summaries: Tensor) -> Tensor:
