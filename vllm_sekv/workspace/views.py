@@ -35,8 +35,11 @@ it as an unfinished chunked prefill and never samples from it: nothing of an
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 
 class PassKind(enum.Enum):
@@ -87,10 +90,11 @@ class ViewPass:
     def history_positions(self) -> list[int]:
         """Virtual position of each history token, in view order (= virtual order)."""
         bt = self.block_tokens
-        out = [p for b in self.history_blocks for p in range(b * bt, (b + 1) * bt)]
+        blocks = np.asarray(self.history_blocks, dtype=np.int64)
+        out = (blocks[:, None] * bt + np.arange(bt, dtype=np.int64)).reshape(-1)
         if self.anchors:
-            out = sorted(out + list(self.anchors))
-        return out
+            out = np.sort(np.concatenate([out, np.asarray(self.anchors, dtype=np.int64)]))
+        return out.tolist()
 
     @property
     def samples(self) -> bool:
@@ -107,7 +111,8 @@ class ViewPass:
         return self.tail_start - self.history_tokens
 
     def token_ids(self, prompt: Sequence[int]) -> list[int]:
-        out = [prompt[p] for p in self.history_positions()]
+        positions = self.history_positions()
+        out = list(operator.itemgetter(*positions)(prompt)) if len(positions) > 1 else [prompt[p] for p in positions]
         end = self.tail_start + self.tail_tokens
         out.extend(prompt[self.tail_start : end])
         if not self.samples:
@@ -189,7 +194,8 @@ def final_pass(
     anchor_room = max(0, min(anchor_tokens, (room - 1) * bt)) if anchors else 0
     room -= -(-anchor_room // bt)
     candidates = set(probe.candidates)
-    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], -i))
+    order = np.arange(len(scores))
+    ranked = np.lexsort((-order, -np.asarray(scores, dtype=np.float64))).tolist()  # best first, ties: later
     chosen: set[int] = set()
     for i in ranked:
         block = probe.candidates[i]
