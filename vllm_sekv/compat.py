@@ -440,7 +440,9 @@ def hash_views_opaquely(serves_from_views: Any) -> None:
 
     vLLM hashes every full block of a prompt when it creates the request (the
     engine core's `request_block_hasher`) and again whenever a connector
-    rewrites it; at 416K tokens that cost 0.4 s per agent step. A view job
+    rewrites it: about 9 ms per 64K tokens on the H200's host
+    (`benchmarks/results/gpu/step_floor.md`), so for a 512K-token history
+    and its 64K view some 80 ms per agent step. A view job
     never uses those hashes: admission drops the prompt's, and each view pass
     carries a salt of its own, so no lookup can ever match them.
 

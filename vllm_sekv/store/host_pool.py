@@ -70,7 +70,7 @@ class HostPool:
             # page faults over torch's threads; registering then only locks.
             raw.zero_()
             cudart.register_host(self.data.data_ptr(), nbytes)
-            weakref.finalize(self, cudart.unregister_host, self.data.data_ptr())
+            weakref.finalize(self, _unpin, self.data.data_ptr())
 
     @property
     def num_slots(self) -> int:
@@ -143,6 +143,15 @@ class HostPool:
     def block_keys(self, slot: int) -> torch.Tensor:
         """All keys of one slot, `[num_layers, block_tokens, kv_heads, head_dim]` (a view)."""
         return self.data[slot, 0]
+
+
+def _unpin(ptr: int) -> None:
+    """Undo `register_host` when the pool goes; at interpreter exit CUDA may
+    be torn down already, and the process is about to free the memory anyway."""
+    try:
+        cudart.unregister_host(ptr)
+    except RuntimeError:
+        pass
 
 
 def to_device(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
