@@ -480,6 +480,8 @@ def _view_aware_hasher_factory(make: Any) -> Any:
             salt = getattr(request, _VIEW_SALT, None)
             if salt is not None:
                 first, end = len(request.block_hashes), request.num_tokens // hash_block_size
+                if end <= first:  # most decode steps: no block filled
+                    return []
                 root = _OPAQUE_PREFIX + hashlib.blake2b(salt.encode(), digest_size=16).digest()
                 return [root + i.to_bytes(8, "little") for i in range(first, end)]
             if not request.block_hashes and not request.num_output_tokens and serves_from_views(request):
