@@ -37,9 +37,11 @@ def test_non_config_env_is_ignored():
         ({"protected_percent": 120}, {}, "protected_percent"),
         ({}, {"SEKV_HOST_BYTE": "1G"}, "SEKV_HOST_BYTE"),
         ({}, {"SEKV_BLOCK_TOKENS": "7"}, "block_tokens"),
+        ({"restore_codec": "lowrank(0)"}, {}, "restore_codec"),
+        ({"restore_codec": "router"}, {}, "restore_codec"),  # no router_path
     ],
     ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
-         "bad-percent", "unknown-env", "bad-env-value"],
+         "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router"],
 )
 def test_bad_config_names_the_key(extra, env, key):
     with pytest.raises(ValueError, match=key):

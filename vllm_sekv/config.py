@@ -79,6 +79,8 @@ INDEX_SUMMARIES = (
     "sub4_post", "sub8_post", "mean_post", "minmax_post", *SURPRISAL_SUMMARIES,
 )
 ON_OFF = ("off", "on")
+# `restore_codec` value: each block at the rank its zoom-router tier gives it.
+ROUTER_CODEC = "router"
 _COMBINE_RE = re.compile(r"^(mean|max|top[1-9][0-9]*)$")
 
 
@@ -165,7 +167,9 @@ class SekvConfig:
     # How a view's history moves to the device: "exact", or SeKV "lowrank(r)":
     # per block and surprisal segment, rank-r factors of pre-RoPE keys and of
     # values, kept on the host next to the exact block and rebuilt on the
-    # device (lossy: fewer bytes moved; pieces of r tokens or fewer stay exact).
+    # device (lossy: fewer bytes moved; pieces of r tokens or fewer stay exact),
+    # or "router" (needs `router_path`): each selected block at the rank the
+    # zoom router's tier gives it (its `rank_levels`, e.g. 8, 16 or exact).
     restore_codec: str = "exact"
 
     _SIZES = ("host_bytes", "nvme_bytes")
@@ -228,13 +232,17 @@ class SekvConfig:
                              "surprisal segments; set 'surprisal' to on")
         if not 1 <= self.coarse_percent <= 50:
             raise ValueError(f"sekv config 'coarse_percent': expected 1..50, got {self.coarse_percent}")
-        if self.restore_codec != "exact":  # torch is imported only for a lossy codec
+        if self.restore_codec == ROUTER_CODEC:
+            if not self.router_path:
+                raise ValueError("sekv config 'restore_codec': 'router' takes each block's rank from "
+                                 "the zoom router's tiers; set 'router_path' too")
+        elif self.restore_codec != "exact":  # torch is imported only for a lossy codec
             from vllm_sekv.store.codecs import parse_codec
 
             try:
                 parse_codec(self.restore_codec)
             except ValueError as e:
-                raise ValueError(f"sekv config 'restore_codec': {e}") from None
+                raise ValueError(f"sekv config 'restore_codec': {e} (or 'router')") from None
         if self.router_path:
             if self.surprisal != "on":
                 raise ValueError("sekv config 'router_path': the zoom router scores surprisal-weighted "

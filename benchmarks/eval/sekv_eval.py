@@ -63,6 +63,7 @@ def configs(router_path: str) -> dict[str, dict]:
         "sekv-nosum": {"surprisal": "on", "router_path": router_path},
         "sekv-norouter": {"surprisal": "on", "coarse": "on", "index_summary": "sub8a_pre", "index_combine": "max"},
         **{f"sekv-lr{r}": {**sekv, "restore_codec": f"lowrank({r})"} for r in (8, 16, 32)},
+        "sekv-lrtier": {**sekv, "restore_codec": "router"},               # ranks from the router's tiers
     }
 
 

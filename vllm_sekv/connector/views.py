@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 from vllm_sekv import compat
-from vllm_sekv.config import SekvConfig
+from vllm_sekv.config import ROUTER_CODEC, SekvConfig
+from vllm_sekv.store.codecs import parse_codec
 from vllm_sekv.workspace.coarse import CoarsePlan, plan_summaries
+from vllm_sekv.workspace.plan import LowRankBlock
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.segments import Segments, segment
 from vllm_sekv.workspace.summaries import combine_heads
@@ -47,15 +49,18 @@ class ViewJob:
     current: ViewPass | None = None  # None: chosen at the next `next_pass`
     probe: ViewPass | None = None
     scores: np.ndarray | None = None  # combined relevance of probe.candidates
+    # The zoom router's rank for each of probe.candidates (restore_codec
+    # "router"; <= 0: exact); None without a router's report.
+    ranks: np.ndarray | None = None
     num_passes: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0  # prompt tokens computed, over all passes
     ingested_to: int = 0  # virtual end of the last ingest pass
     truncated: bool = False  # the workspace could not hold the history (see `next_pass`)
     coarse: bool = False  # SeKV summaries for the left-out history (server setting, request may opt out)
-    # The final view's SeKV parts (`_final_pass`): its summaries and the
-    # pieces of its lossily restored blocks; None for other passes.
+    # The final view's SeKV parts (`_final_pass`): its summaries and its
+    # lossily restored blocks (virtual block -> rank, pieces); None for other passes.
     coarse_plan: CoarsePlan | None = None
-    lowrank: dict[int, tuple[tuple[int, int], ...]] | None = None
+    lowrank: dict[int, LowRankBlock] | None = None
 
     def virtual_tokens(self, request: Any) -> list[int]:
         return self.prompt + list(request.output_token_ids)
@@ -79,6 +84,9 @@ class ViewCoordinator:
                 f"next to sink_tokens + recent_tokens; at least {least} are needed"
             )
         self.jobs: dict[str, ViewJob] = {}
+        # restore_codec "lowrank(r)": r; 0 for "exact" and "router" (ranks per block).
+        codec = config.restore_codec
+        self.codec_rank = 0 if codec in ("exact", ROUTER_CODEC) else parse_codec(codec).rank
 
     # ------------------------------------------------------------ admission
 
@@ -172,8 +180,8 @@ class ViewCoordinator:
     def _final_pass(self, job: ViewJob) -> ViewPass:
         """The sampling view after the job's probe, with SeKV's parts where
         surprisal is recorded: anchors, coarse summaries of the history it
-        leaves out (taking room in its budget), and the pieces of its history
-        blocks that a lossy `restore_codec` factors."""
+        leaves out (taking room in its budget), and the history blocks that a
+        lossy `restore_codec` factors."""
         cfg, budget = self.config, job.budget
         surprisal = self.planner.history_surprisal(job.req_id)
         if surprisal is not None:
@@ -187,8 +195,22 @@ class ViewCoordinator:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)
         if cfg.restore_codec != "exact":
-            job.lowrank = self._lowrank_pieces(view, segments, budget)
+            job.lowrank = self._lowrank_blocks(view, segments, self._block_ranks(job, view))
         return view
+
+    def _block_ranks(self, job: ViewJob, view: ViewPass) -> dict[int, int]:
+        """Virtual block -> rank of the view's history blocks that a lossy
+        `restore_codec` factors: with "lowrank(r)" every block but the sink's
+        (a rebuilt attention sink costs the most accuracy, `store.codecs`) at
+        rank r; with "router" each candidate at the rank the router gave it
+        (the sink, the recent window and blocks it rated exact move exact)."""
+        if self.codec_rank:
+            sink = job.budget.sink_tokens
+            return {b: self.codec_rank for b in view.history_blocks if b * view.block_tokens >= sink}
+        if job.ranks is None:
+            return {}
+        held = set(view.history_blocks)
+        return {b: r for b, r in zip(job.probe.candidates, job.ranks.tolist()) if r > 0 and b in held}
 
     @staticmethod
     def _anchors(segments: Segments | None, surprisal: np.ndarray | None) -> list[int]:
@@ -201,21 +223,21 @@ class ViewCoordinator:
         order = np.argsort(-np.nan_to_num(surprisal[anchors], nan=0.0), kind="stable")
         return anchors[order].tolist()
 
-    def _lowrank_pieces(self, view: ViewPass, segments: Segments | None,
-                        budget: ViewBudget) -> dict[int, tuple[tuple[int, int], ...]]:
-        """Virtual block -> pieces (surprisal segments cut at the block's edges;
-        the whole block without surprisal) of the view's history blocks that
-        move as factors: all but the sink's, which stay exact (a rebuilt
-        attention sink costs the most accuracy, `store.codecs`)."""
+    @staticmethod
+    def _lowrank_blocks(view: ViewPass, segments: Segments | None,
+                        ranks: dict[int, int]) -> dict[int, LowRankBlock]:
+        """The view's history blocks that `ranks` rates, each with its rank and
+        its pieces: surprisal segments cut at the block's edges (the whole block
+        without surprisal)."""
         bt = view.block_tokens
         starts = segments.starts.numpy() if segments is not None else np.zeros(0, np.int64)
         out = {}
         for b in view.history_blocks:
-            if b * bt < budget.sink_tokens:
+            if b not in ranks:
                 continue
             inner = starts[(starts > b * bt) & (starts < (b + 1) * bt)] - b * bt
             edges = [0, *inner.tolist(), bt]
-            out[b] = tuple(zip(edges[:-1], edges[1:]))
+            out[b] = LowRankBlock(ranks[b], tuple(zip(edges[:-1], edges[1:])))
         return out
 
     def max_new_tokens(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -259,8 +281,9 @@ class ViewCoordinator:
             job.scores = np.arange(len(job.current.candidates), dtype=np.float32)
             logger.warning("sekv: probe of %s scored no query; the view takes recent blocks", req_id)
             return
-        if self.config.router_path:  # the router's combined relevance, one row
-            job.scores = rows.sum(axis=0).astype(np.float32)
+        if self.config.router_path:  # one rank: the router's combined relevance, then its ranks
+            job.scores = rows[0].astype(np.float32)
+            job.ranks = rows[1].astype(np.int64) if len(rows) > 1 else None
             return
         job.scores = combine_heads(torch.from_numpy(rows), self.config.index_combine).numpy()
 
@@ -297,6 +320,9 @@ class ViewCoordinator:
             out["selected_blocks"] = list(view.history_blocks)
             if view.anchors:
                 out["anchor_tokens"] = len(view.anchors)
+            if job.lowrank is not None:  # blocks per restore rank (lossy restore_codec)
+                ranks = [job.lowrank[b].rank if b in job.lowrank else "exact" for b in view.history_blocks]
+                out["block_ranks"] = {str(r): ranks.count(r) for r in dict.fromkeys(ranks)}
             if job.coarse_plan is not None and job.coarse_plan.num_summaries:
                 out["summaries"] = job.coarse_plan.num_summaries
                 out["summary_tokens"] = int(job.coarse_plan.num_tokens.sum())

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from vllm_sekv import compat
-from vllm_sekv.config import SekvConfig
+from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.connector.coarse import CoarseAttention, StepRows
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
@@ -56,14 +56,14 @@ from vllm_sekv.connector.surprisal import SurprisalRecorder
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store import HostPool, cudart
 from vllm_sekv.store.host_pool import to_device
-from vllm_sekv.store.codecs import parse_codec
+from vllm_sekv.store.codecs import LowRankCodec, parse_codec
 from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
 from vllm_sekv.store.lowrank_tier import LowRankTier
 from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
 from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan
-from vllm_sekv.workspace.router import load_router
+from vllm_sekv.workspace.router import FULL_RANK, load_router
 from vllm_sekv.workspace.summaries import combine_heads
 
 logger = logging.getLogger("vllm_sekv")
@@ -129,8 +129,9 @@ class SekvWorkerSide:
         self.coarse: CoarseAttention | None = None
         self._coarse_rows: list[tuple[str, StepRows]] | None = None
         self._restored_keys: dict[str, torch.Tensor] = {}  # this step: req_id -> [L, n, H, D] written
-        # SeKV lowrank(r) copies of host blocks (config `restore_codec`).
-        self.lowrank: LowRankTier | None = None
+        # SeKV lowrank copies of host blocks (config `restore_codec`), one tier
+        # per rank a restore may ask for (rank -> tier; empty: exact restores).
+        self.lowrank: dict[int, LowRankTier] = {}
 
     # ---------------------------------------------------------------- set-up
 
@@ -171,8 +172,8 @@ class SekvWorkerSide:
             self.router = load_router(self.config, compat.router_geometry(self.vllm_config))
         if self.config.coarse == "on":
             self.coarse = CoarseAttention(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype, device, self.rope)
-        if self.config.restore_codec != "exact":
-            self.lowrank = LowRankTier(parse_codec(self.config.restore_codec), self.config.block_tokens, self.rope)
+        self.lowrank = {rank: LowRankTier(LowRankCodec(rank), self.config.block_tokens, self.rope)
+                        for rank in self._restore_ranks()}
         kind = ROUTER_SUMMARY if self.router is not None else self.config.index_summary
         # On CUDA the index lives on the GPU: probes score where the queries are.
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind,
@@ -196,10 +197,11 @@ class SekvWorkerSide:
         self._restored_keys = {}
         if self.coarse is not None:
             self.coarse.finish(plan.coarse_finished)
-        if self.lowrank is not None:  # slots taking new bytes: their factors are stale
+        if self.lowrank:  # slots taking new bytes: their factors are stale
             bt = self.config.block_tokens
             for slot in {*np.unique(plan.capture_host_rows // bt).tolist(), *(s for _, s, _ in plan.nvme_reads)}:
-                self.lowrank.drop(slot)
+                for tier in self.lowrank.values():
+                    tier.drop(slot)
         if self.index is not None and self.index.kind.uses_weights:
             self._index_surprisal.update(plan.index_surprisal)  # one entry per host slot at most
         if self.surprisal is not None:
@@ -227,15 +229,14 @@ class SekvWorkerSide:
                 nan = np.full(self.config.block_tokens, np.nan, dtype=np.float32)
                 surprisal = torch.from_numpy(np.stack([self._index_surprisal.pop(s, nan) for s in latest]))
             self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
-        lossy = [op for op in plan.restores if op.lowrank_pieces]
-        exact = [op for op in plan.restores if not op.lowrank_pieces]
+        exact = [op for op in plan.restores if not op.lowrank]
         if self.pipeline is not None and exact:
             self._restore_cuda(forward_context, exact)
         row_bytes = self.pool.block_bytes // self.config.block_tokens
         for op in plan.restores:
-            if self.pipeline is None or op.lowrank_pieces:
+            if self.pipeline is None or op.lowrank:
                 t0 = time.perf_counter()
-                if op.lowrank_pieces:
+                if op.lowrank:
                     moved = self._restore_lowrank(forward_context, op)
                 else:
                     self._restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
@@ -285,22 +286,39 @@ class SekvWorkerSide:
                                self.rope).reshape(n, num_layers, heads, dim)
         return keys.transpose(0, 1), values.transpose(0, 1)
 
+    def _restore_ranks(self) -> list[int]:
+        """The ranks lossy restores use: r for restore_codec "lowrank(r)", the
+        router's expand levels for "router" (its full level is exact)."""
+        codec = self.config.restore_codec
+        if codec == "exact":
+            return []
+        if codec != ROUTER_CODEC:
+            return [parse_codec(codec).rank]
+        levels = self.router.rank_levels[1:]
+        if any(r != FULL_RANK and r < 1 for r in levels):
+            raise ValueError(f"sekv config 'router_path': rank levels {levels} must be ranks >= 1 or "
+                             f"{FULL_RANK} (full)")
+        return sorted({r for r in levels if r != FULL_RANK})
+
     def _restore_lowrank(self, forward_context: Any, op: RestoreOp) -> int:
         """Restore `op` with its lossy slots rebuilt on the device from their
-        lowrank factors (encoded on first use, over the op's pieces, and kept
-        on the host), the rest moved exact; every layer at once, through the
-        platform's cache-update op. Returns the bytes moved (factors + exact rows)."""
+        low-rank factors (each slot at its rank, encoded on first use over its
+        pieces and kept on the host), the rest moved exact; every layer at
+        once, through the platform's cache-update op. Returns the bytes moved
+        (factors + exact rows)."""
         bt = self.config.block_tokens
         n = len(op.host_rows)
         deltas = op.rope_deltas if op.rope_deltas is not None else np.zeros(n, dtype=np.int64)
         virtual = op.first_position + np.arange(n, dtype=np.int64) - deltas
         slots = op.host_rows // bt
-        lossy = np.isin(slots, list(op.lowrank_pieces))
+        row_rank = np.array([op.lowrank[s].rank if s in op.lowrank else 0 for s in slots.tolist()], dtype=np.int64)
+        lossy = row_rank > 0
         for slot in np.unique(slots[lossy]).tolist():
-            pieces = op.lowrank_pieces[slot]
-            if self.lowrank.pieces_of(slot) != tuple(pieces):
+            block = op.lowrank[slot]
+            tier = self.lowrank[block.rank]
+            if tier.pieces_of(slot) != block.pieces:
                 i = int(np.argmax(slots == slot))
-                self.lowrank.encode_block(self.pool, slot, int(virtual[i] - op.host_rows[i] % bt), pieces)
+                tier.encode_block(self.pool, slot, int(virtual[i] - op.host_rows[i] % bt), block.pieces)
         device = next(iter(self.kv_caches.values())).device
         geo = self.geometry
         keys = torch.empty((geo.num_layers, n, geo.kv_heads, geo.head_dim), dtype=self.pool.data.dtype, device=device)
@@ -310,11 +328,12 @@ class SekvWorkerSide:
         if len(exact):
             k, v = self._exact_rows(op.host_rows[exact], deltas[exact] if op.rope_deltas is not None else None)
             keys[:, exact], values[:, exact] = k.to(device, keys.dtype), v.to(device)
-        if lossy.any():  # rotated straight to the rows' view positions: virtual + delta
-            k, v, moved_lossy = self.lowrank.decode_rows(op.host_rows[lossy], virtual[lossy] + deltas[lossy], device)
-            where = torch.from_numpy(np.nonzero(lossy)[0]).to(device)
+        for rank in np.unique(row_rank[lossy]).tolist():  # rotated straight to the view positions
+            rows = row_rank == rank
+            k, v, moved_rank = self.lowrank[rank].decode_rows(op.host_rows[rows], virtual[rows] + deltas[rows], device)
+            where = torch.from_numpy(np.nonzero(rows)[0]).to(device)
             keys[:, where], values[:, where] = k, v
-            moved += moved_lossy
+            moved += moved_rank
         self._restored_keys[op.req_id] = keys
         paged_slots = torch.from_numpy(op.paged_slots).to(device)
         for name, kv_cache in self.kv_caches.items():
@@ -567,8 +586,11 @@ class SekvWorkerSide:
                positions: torch.Tensor) -> None:
         """SeKV zoom router: keep the probe's pre-RoPE queries layer by layer;
         after the last layer of its last step, the router scores the candidate
-        blocks' surprisal-weighted mean keys with all of them (one row: the
-        router's combined relevance `P`, over layers and heads)."""
+        blocks' surprisal-weighted mean keys with all of them. Two rows: the
+        router's combined relevance `P` (over layers and heads), and the rank
+        of each candidate's tier (`rank_levels[max(tier, 1)]`: a block the view
+        takes although the router would keep it coarse moves at the lowest
+        expand rank; FULL_RANK, and unindexed candidates, move exact)."""
         kept = self._router_queries.setdefault(op.req_id, [[] for _ in range(self.geometry.num_layers)])
         if len(rows):  # the router runs on the host
             q = query[rows].reshape(len(rows), -1, self.geometry.head_dim).float().cpu()
@@ -579,12 +601,16 @@ class SekvWorkerSide:
         slots = torch.from_numpy(op.candidate_slots)
         valid = self.index.valid[slots.to(self.index.device)].cpu()
         combined = torch.zeros(len(slots), dtype=torch.float32)
+        ranks = torch.full((len(slots),), FULL_RANK, dtype=torch.float32)
         if valid.any() and kept[0]:  # the router runs on the host
             queries = torch.stack([torch.cat(chunks) for chunks in kept])  # [L, M, Hq, D]
             keys = self.index.entries[slots[valid].to(self.index.device), :, 0].float().cpu().transpose(0, 1)
             tokens = torch.full((keys.shape[1],), self.config.block_tokens, dtype=torch.int64)
-            combined[valid] = self.router.scores(queries, keys, tokens).combined.float().cpu()
-        self._scores_done[op.req_id] = combined[None].numpy()
+            scores = self.router.scores(queries, keys, tokens)
+            combined[valid] = scores.combined.float().cpu()
+            levels = torch.tensor(self.router.rank_levels, dtype=torch.float32)
+            ranks[valid] = levels[scores.tiers.cpu().clamp_min(1)]
+        self._scores_done[op.req_id] = torch.stack([combined, ranks]).numpy()
         self.stats.add("probes", 1)
 
     def build_worker_meta(self) -> SekvWorkerMeta | None:

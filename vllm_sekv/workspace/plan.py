@@ -15,6 +15,16 @@ def _empty() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class LowRankBlock:
+    """How one history block moves under a lossy `restore_codec`: as rank-`rank`
+    factors (`rank` >= 1) of each piece's pre-RoPE keys and values, the pieces
+    being `[lo, hi)` token offsets that cover the block in order."""
+
+    rank: int
+    pieces: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class RestoreOp:
     """Copy host rows into one request's paged slots, before the forward."""
@@ -27,10 +37,9 @@ class RestoreOp:
     rope_deltas: np.ndarray | None = None
     view_pass: str = ""  # the execution view pass it serves ("final", "probe", ...), if any
     first_position: int = 0  # the request's position of row 0 (rows are consecutive positions)
-    # SeKV `restore_codec` lowrank(r): host slots whose rows move as rank-r
-    # factors instead of exact bytes, each with the pieces ([lo, hi) token
-    # offsets, covering the block) its factors are taken over. Empty: all exact.
-    lowrank_pieces: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # SeKV lossy `restore_codec`: host slots whose rows move as low-rank
+    # factors instead of exact bytes, each with its rank and pieces. Empty: all exact.
+    lowrank: dict[int, LowRankBlock] = field(default_factory=dict)
 
 
 @dataclass

@@ -39,7 +39,9 @@ import numpy as np
 from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import extend_block_hashes
 from vllm_sekv.workspace.coarse import CoarsePlan
-from vllm_sekv.workspace.plan import CoarseOp, CoarseSummaries, RestoreOp, ScoreOp, StepPlan, SurprisalOp
+from vllm_sekv.workspace.plan import (
+    CoarseOp, CoarseSummaries, LowRankBlock, RestoreOp, ScoreOp, StepPlan, SurprisalOp,
+)
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.views import PassKind, ViewPass
 
@@ -74,8 +76,8 @@ class RequestState:
     # summaries go to the worker with the view's first step.
     coarse: bool = False
     coarse_pending: CoarseSummaries | None = None
-    # SeKV lowrank restores of the current view: virtual block -> pieces.
-    view_lowrank: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # SeKV lowrank restores of the current view: virtual block -> rank and pieces.
+    view_lowrank: dict[int, LowRankBlock] = field(default_factory=dict)
     # Figures reported back in the response's kv_transfer_params.
     cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
     restored_tokens: int = 0
@@ -186,8 +188,8 @@ class WorkspacePlanner:
         )
         if st.view is not None and st.view_lowrank:
             held = {int(p) // bt for p in st.view_virtual[positions]}
-            st.pending_restore.lowrank_pieces = {
-                st.matched[b].host_slot: pieces for b, pieces in st.view_lowrank.items() if b in held}
+            st.pending_restore.lowrank = {
+                st.matched[b].host_slot: block for b, block in st.view_lowrank.items() if b in held}
         st.restored_tokens = num_external_tokens
         used_slots = set((host_rows // bt).tolist())
         used = [rec for rec in st.matched if rec.host_slot in used_slots]
@@ -232,11 +234,11 @@ class WorkspacePlanner:
         return self.surprisal[slots].reshape(-1)
 
     def begin_view_pass(self, req_id: str, view: ViewPass, coarse: CoarsePlan | None = None,
-                        lowrank: dict[int, tuple[tuple[int, int], ...]] | None = None) -> int:
+                        lowrank: dict[int, LowRankBlock] | None = None) -> int:
         """Start a pass of `req_id`'s views; returns the tokens vLLM restores
         (the pass's history part). `coarse`: the SeKV summaries that stand in
         for the history the view leaves out; `lowrank`: history blocks (virtual
-        block index) restored from rank-r factors, with their pieces."""
+        block index) restored from low-rank factors, with their rank and pieces."""
         st = self.requests[req_id]
         positions = np.asarray(view.history_positions(), dtype=np.int64)
         if len(positions) and positions.max() >= len(st.matched) * self.block_tokens:
