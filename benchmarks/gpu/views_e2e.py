@@ -19,7 +19,9 @@ Baseline, same invocation, own process: plain vLLM (no connector) with the
 same GPU memory setting and a plain context of `--view-tokens` tokens: cold
 (prefill) and warm (prefix cached) time to first token of a 64-token step, and
 decode speed at that context. Every figure is measured here; the engine runs
-in eager mode in both cases (`enforce_eager`).
+in eager mode in both cases (`enforce_eager`). Engine `plain-sync` is the same
+baseline with vLLM's asynchronous scheduling off (the sekv scheduler is
+synchronous), which separates that from the connector's own cost.
 
 Writes OUT.json and OUT.md.
 """
@@ -83,7 +85,8 @@ class Session:
 
 def profiled(step) -> str:
     """The host-side profile of one step (cProfile, the engine runs in this
-    process): the 30 functions with the most cumulative time."""
+    process): the 30 functions with the most cumulative time, then the 30
+    with the most time of their own."""
     import cProfile
     import io
     import pstats
@@ -92,6 +95,7 @@ def profiled(step) -> str:
     prof.runcall(step)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
     print(out.getvalue(), flush=True)
     return out.getvalue()
 
@@ -110,6 +114,8 @@ def make_llm(spec: dict):
     from vllm import LLM
 
     kwargs = {}
+    if spec["engine"] == "plain-sync":
+        kwargs["async_scheduling"] = False
     if spec["engine"] == "sekv":
         kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
                                         "kv_connector_extra_config": spec["sekv"]}
@@ -154,10 +160,10 @@ def engine_main(spec: dict) -> None:
         cold = session.run(context + question(), 1)
         warm = [session.run(context + question(), 1) for _ in range(spec["steps"])]
         decode = session.run(context + question(), spec["decode_tokens"] + 1)
-        rows.append({"engine": "plain", "context_tokens": len(context), "cold_ttft_s": cold["ttft_s"],
+        rows.append({"engine": spec["engine"], "context_tokens": len(context), "cold_ttft_s": cold["ttft_s"],
                      "warm_ttft_s": statistics.median(s["ttft_s"] for s in warm), "warm": warm,
                      "decode": decode, "memory": gpu_memory()})
-        print(f"[plain] cold {cold['ttft_s']:.3f} s, warm {rows[-1]['warm_ttft_s']:.3f} s, "
+        print(f"[{spec['engine']}] cold {cold['ttft_s']:.3f} s, warm {rows[-1]['warm_ttft_s']:.3f} s, "
               f"decode {decode['decode_s_per_token'] * 1e3:.2f} ms/token, {rows[-1]['memory']}", flush=True)
     Path(spec["out"]).write_text(json.dumps(rows))
 
@@ -176,6 +182,7 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
 
 def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list[str] | None = None) -> None:
     plain = next((r for r in rows if r["engine"] == "plain"), None)
+    plain_sync = next((r for r in rows if r["engine"] == "plain-sync"), None)
     sekv = [r for r in rows if r["engine"] == "sekv"]
     commands = commands or [f"python benchmarks/gpu/views_e2e.py {' '.join(sys.argv[1:])}"]
     lines = [
@@ -213,6 +220,12 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
         lines += ["", f"Decode ({args.decode_tokens} tokens): sekv at {sekv[-1]['session_tokens'] // 1024}K session "
                   f"{decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K "
                   f"{plain['decode']['decode_s_per_token'] * 1e3:.2f} ms/token: {ratio:.3f}x."]
+    if plain_sync:
+        line = (f"Plain vLLM with asynchronous scheduling off (`plain-sync`), same context: decode "
+                f"{plain_sync['decode']['decode_s_per_token'] * 1e3:.2f} ms/token")
+        if decode:
+            line += f"; sekv / plain-sync {decode['decode_s_per_token'] / plain_sync['decode']['decode_s_per_token']:.3f}x"
+        lines += ["", line + "."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": " && ".join(commands)}, indent=1))
     print("\n".join(lines), flush=True)

@@ -5,6 +5,10 @@ implementation themselves.
 * `rotate_keys(keys, delta_positions, rope)`: pure rotation (reference only).
 * `score_blocks(queries, index, num_blocks=None, combine="max")`: Mean-K block
   relevance `R[num_blocks]` float32 (see `triton_kernels/scoring/reference.py`).
+* `score_sub_blocks(queries, entries, layer, slots, valid)`: per query head,
+  sum over queries of the softmax over candidate blocks of each block's
+  logsumexp logit over its S index vectors, `[Hq, B]` float32 (see
+  `triton_kernels/scoring/sub_blocks.py`; the kernel takes S and D powers of two).
 * `select_blocks(scores, k, sink_blocks, recent_blocks, ...)`: sorted block ids.
 * `scatter_rerope(staging, key_caches, value_caches, slot_mapping,
   delta_positions, rope, src_rows=None)`: staged blocks -> paged caches, K
@@ -42,6 +46,17 @@ def score_blocks(queries: torch.Tensor, index: torch.Tensor, num_blocks: int | N
     return _scoring_ref.score_blocks(queries, index, num_blocks, combine)
 
 
+def score_sub_blocks(queries: torch.Tensor, entries: torch.Tensor, layer: int, slots: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+    """Block-index scores of logsumexp summary kinds; Triton on CUDA, reference
+    elsewhere (the same up to the kernel's bf16 rounding of the queries)."""
+    if _use_triton(queries) and _use_triton(entries):
+        from vllm_sekv.triton_kernels.scoring import sub_blocks
+
+        return sub_blocks.score_sub_blocks(queries, entries, layer, slots, valid)
+    return _scoring_ref.score_sub_blocks_reference(queries, entries, layer, slots, valid)
+
+
 def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                    slot_mapping: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec,
                    src_rows: torch.Tensor | None = None) -> None:
@@ -64,4 +79,5 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
     return _coarse_ref.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
 
 
-__all__ = ["RopeSpec", "rotate_keys", "score_blocks", "select_blocks", "scatter_rerope", "coarse_merge"]
+__all__ = ["RopeSpec", "rotate_keys", "score_blocks", "score_sub_blocks", "select_blocks", "scatter_rerope",
+           "coarse_merge"]

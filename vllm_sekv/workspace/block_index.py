@@ -11,7 +11,11 @@ token's key is first rotated back by its position (a pure rotation by
 `score` is the probe's half: per layer, the new tokens' queries against the
 candidates' entries, `sum over queries of softmax over candidates` per query
 head. Entries are kept in bfloat16 (an eighth of the block's K/V bytes for
-`sub4_pre` with 32-token blocks); scoring runs in float32. Kinds that weight
+`sub4_pre` with 32-token blocks); scoring runs in float32. On CUDA, kinds whose
+block logit is the logsumexp of its vectors (`sub4_pre`, `mean_pre`, ...; S a
+power of two) score with one fused Triton kernel (`ops.score_sub_blocks`),
+which reads the candidates' entries in place and rounds the queries to the
+entries' dtype for the dot products. Kinds that weight
 tokens by their surprisal (SeKV: `anchor_pre` keeps the key of the block's
 highest-surprisal token) take it per block in `add_many`.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_sekv import ops
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
 from vllm_sekv.workspace import summaries
@@ -48,6 +53,8 @@ class BlockIndex:
         s = self.kind.vectors_per_block
         self.entries = torch.zeros((num_slots, num_layers, s, kv_heads, head_dim), dtype=dtype, device=self.device)
         self.valid = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
+        self.fused = (self.device.type == "cuda" and self.kind.logsumexp_logits
+                      and _power_of_two(s) and _power_of_two(head_dim) and head_dim >= 16)
 
     @property
     def query_space(self) -> str:
@@ -96,8 +103,14 @@ class BlockIndex:
         candidate is scored and the unindexed ones are masked out, instead of
         selecting the indexed ones (a data-dependent shape)."""
         slots = slots.to(self.device)
+        if self.fused:
+            return ops.score_sub_blocks(queries, self.entries, layer, slots, self.valid)
         valid = self.valid[slots]
         entries = self.entries[slots, layer].float()  # [B, S, H, D]
         logits = summaries.block_logits(self.kind, queries.float(), entries)  # [M, Hq, B]
         probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
         return probs.nan_to_num_(0.0).sum(0)  # no candidate indexed: 0/0 -> 0
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

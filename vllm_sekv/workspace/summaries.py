@@ -76,6 +76,12 @@ class SummaryKind:
     logits: Callable[[Tensor, Tensor], Tensor]
     doc: str = ""
 
+    @property
+    def logsumexp_logits(self) -> bool:
+        """Whether a block's logit is the logsumexp of its S vectors' dots (or
+        the dot when S == 1): what the fused scoring kernel computes."""
+        return self.logits is _lse_logits
+
 
 # ---------------------------------------------------------------- summarize
 
