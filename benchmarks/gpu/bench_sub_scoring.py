@@ -66,6 +66,7 @@ def run_kind(kind: str, args, sweep: bool) -> dict:
 
     torch.manual_seed(0)
     index = build_index(kind, args.blocks, args.invalid_every)
+    index.fused = False  # `score` takes its eager PyTorch path: the baseline
     s = index.entries.shape[2]
     slots = torch.arange(args.blocks, device="cuda")
     queries = torch.randn(QUERIES, Q_HEADS, HEAD_DIM, device="cuda")

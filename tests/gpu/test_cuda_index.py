@@ -1,8 +1,7 @@
 """The views' block index on the GPU (where the worker keeps it on CUDA)
-gives the entries and scores of the host index (skipped without CUDA). Kinds
-the fused Triton kernel scores (`sub4_pre`, `mean_pre`) round the queries to
-the entries' bf16 for the dot products: the host index then scores the same
-rounded queries."""
+gives the entries and scores of the host index (skipped without CUDA), the
+kinds the fused Triton kernel scores (`sub4_pre`, `mean_pre`, `anchor_pre`)
+included."""
 import pytest
 import torch
 
@@ -31,9 +30,7 @@ def test_a_gpu_index_scores_like_the_host_index(kind):
     assert torch.equal(gpu.valid.cpu(), host.valid)
     queries = torch.randn(9, HQ, D, generator=g)
     candidates = torch.tensor([0, *slots[::2], 39])  # two never indexed: they score 0
-    assert gpu.fused == (kind in ("sub4_pre", "mean_pre"))
-    if gpu.fused:
-        queries = queries.bfloat16().float()
+    assert gpu.fused == (kind in ("sub4_pre", "mean_pre", "anchor_pre"))
     for layer in range(L):
         want = host.score(layer, queries, candidates)
         got = gpu.score(layer, queries.cuda(), candidates)

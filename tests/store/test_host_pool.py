@@ -60,6 +60,26 @@ def test_rows_in_whole_slots_are_written_as_slices_with_the_same_result():
         assert torch.equal(fast.data, slow.data)
 
 
+def test_writing_every_layer_at_once_equals_writing_layer_by_layer():
+    rows = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 2, 3, 20, 21, 22, 23, 16, 17, 18, 19, 39, 24, 25, 26, 27])
+    for dtype in (torch.float32, torch.bfloat16):
+        together, apart = (HostPool(10, 3, 4, 2, 5, dtype) for _ in range(2))
+        together.data.zero_()
+        apart.data.zero_()
+        kv = torch.randn(3, 2, len(rows), 2, 5).to(dtype)  # [layers, K/V, n, H, D]
+        runs = together.slot_runs(rows)
+        assert runs.whole and len(runs.rest)  # both paths taken
+        together.write_rows_all_layers(rows, kv, runs)
+        for layer in range(3):
+            apart.write_rows(layer, rows, kv[layer, 0], kv[layer, 1], runs)
+        assert torch.equal(together.data, apart.data)
+    one = HostPool(3, 2, 4, 1, 2, torch.float32)  # a single decode token
+    one.data.zero_()
+    one.write_rows_all_layers(torch.tensor([6]), torch.arange(8.0).reshape(2, 2, 1, 1, 2))
+    assert one.data[1, :, :, 2].tolist() == [[[[0.0, 1.0]], [[4.0, 5.0]]], [[[2.0, 3.0]], [[6.0, 7.0]]]]
+    assert one.data.count_nonzero() == 7
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host tiers exist on CUDA only")
 def test_a_pinned_pool_is_page_locked_at_its_own_size_and_round_trips_through_the_gpu():
     pool = HostPool(3, 2, 16, 2, 8, torch.bfloat16, pin_memory=True)

@@ -475,7 +475,11 @@ class SekvWorkerSide:
         else:
             host = stacked
         runs = self.pool.slot_runs(host_rows)
-        for i, (layer, _, _) in enumerate(captured):
+        layers = [layer for layer, _, _ in captured]
+        if layers == list(range(self.geometry.num_layers)):  # every layer, in order: one write
+            self.pool.write_rows_all_layers(host_rows, host, runs)
+            return
+        for i, layer in enumerate(layers):
             self.pool.write_rows(layer, host_rows, host[i, 0], host[i, 1], runs)
 
     def _step_rows(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -49,7 +49,7 @@ def score_blocks(queries: torch.Tensor, index: torch.Tensor, num_blocks: int | N
 def score_sub_blocks(queries: torch.Tensor, entries: torch.Tensor, layer: int, slots: torch.Tensor,
                      valid: torch.Tensor) -> torch.Tensor:
     """Block-index scores of logsumexp summary kinds; Triton on CUDA, reference
-    elsewhere (the same up to the kernel's bf16 rounding of the queries)."""
+    elsewhere (the same to about 1e-5 relative)."""
     if _use_triton(queries) and _use_triton(entries):
         from vllm_sekv.triton_kernels.scoring import sub_blocks
 

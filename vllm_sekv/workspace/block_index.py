@@ -14,8 +14,8 @@ head. Entries are kept in bfloat16 (an eighth of the block's K/V bytes for
 `sub4_pre` with 32-token blocks); scoring runs in float32. On CUDA, kinds whose
 block logit is the logsumexp of its vectors (`sub4_pre`, `mean_pre`, ...; S a
 power of two) score with one fused Triton kernel (`ops.score_sub_blocks`),
-which reads the candidates' entries in place and rounds the queries to the
-entries' dtype for the dot products. Kinds that weight
+which reads the candidates' entries in place (float32 queries go to the
+matrix unit as two bf16 parts: the scores match float32 to about 1e-5). Kinds that weight
 tokens by their surprisal (SeKV: `anchor_pre` keeps the key of the block's
 highest-surprisal token) take it per block in `add_many`.
 
