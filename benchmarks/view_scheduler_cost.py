@@ -2,6 +2,10 @@
 the probe pass, the final pass and its step plan, at a 512K-token history held
 in the workspace (32-token blocks, 64K views). Wall-clock times of the
 engine-core-side Python alone (no profiler), median of 3 steps after a warm-up.
+Then the same side of decoding: per generated token, the step plan (capture of
+the token at its virtual position) and the confirmation that commits finished
+blocks, the request's tokens given as the view job gives them (history +
+generated), mean over 128 tokens.
 
     python benchmarks/view_scheduler_cost.py
 """
@@ -44,12 +48,31 @@ def step(i):
     t0 = time.perf_counter(); n = views.next_pass(req); t["final pass"] = time.perf_counter() - t0
     planner.set_paged_blocks(req.request_id, list(range(req.num_tokens // 16 + 2)), replace=True)
     t0 = time.perf_counter(); plan = planner.plan_step({req.request_id: (n, req.num_tokens - n)}, lambda rid: prompt); t["plan step"] = time.perf_counter() - t0
-    return t
+    planner.confirm(plan.step_id, set(), lambda rid: prompt)
+    return t, req
+
+
+def decode(req, tokens=128):
+    """Mean seconds per generated token of the scheduler side's plan + confirm."""
+    generated: list[int] = []
+    tokens_of = lambda rid: prompt + generated  # noqa: E731 (ViewJob.virtual_tokens)
+    view_len = req.num_tokens  # the final pass's sequence; each token extends it
+    t0 = time.perf_counter()
+    for i in range(tokens):  # step i computes the token sampled before it, at view position view_len + i
+        generated.append(random.randrange(1000, 128000))
+        planner.set_paged_blocks(req.request_id, list(range((view_len + i) // 16 + 2)), replace=True)
+        plan = planner.plan_step({req.request_id: (view_len + i, 1)}, tokens_of)
+        assert len(plan.capture_host_rows) == 1  # the token is saved at its virtual position
+        planner.confirm(plan.step_id, set(), tokens_of)
+    return (time.perf_counter() - t0) / tokens
 
 step(0)  # warm-up
-runs = [step(i) for i in range(1, 4)]
+runs = [step(i)[0] for i in range(1, 4)]
 medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 print(f"history {N} tokens, {BT}-token blocks, {VIEW}-token views; median of 3 steps, ms:")
 for k, v in medians.items():
     print(f"  {k:12s} {v * 1e3:7.1f}")
 print(f"  {'total':12s} {sum(medians.values()) * 1e3:7.1f}")
+_, req = step(4)
+per_token = decode(req)
+print(f"decode: {per_token * 1e3:.2f} ms per token (plan + confirm, mean of 128 tokens)")
