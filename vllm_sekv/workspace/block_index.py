@@ -11,13 +11,16 @@ token's key is first rotated back by its position (a pure rotation by
 `score` is the probe's half: per layer, the new tokens' queries against the
 candidates' entries, `sum over queries of softmax over candidates` per query
 head. Entries are kept in bfloat16 (an eighth of the block's K/V bytes for
-`sub4_pre` with 32-token blocks); scoring runs in float32. On CUDA, kinds whose
-block logit is the logsumexp of its vectors (`sub4_pre`, `mean_pre`, ...; S a
-power of two) score with one fused Triton kernel (`ops.score_sub_blocks`),
-which reads the candidates' entries in place (float32 queries go to the
-matrix unit as two bf16 parts: the scores match float32 to about 1e-5). Kinds that weight
+`sub4_pre` with 32-token blocks); scoring runs in float32. Kinds that weight
 tokens by their surprisal (SeKV: `anchor_pre` keeps the key of the block's
 highest-surprisal token) take it per block in `add_many`.
+
+On CUDA, kinds whose block logit is the logsumexp of its vectors (`sub4_pre`,
+`mean_pre`, `anchor_pre`; S and head_dim powers of two) score with one fused
+Triton kernel (`ops.score_sub_blocks`), which reads the candidates' entries in
+place; float32 queries reach the matrix unit as two bf16 parts, so the scores
+match the float32 path to about 1e-5. `fused` says whether `score` takes it
+(benchmarks set it False to time the PyTorch path).
 
 The index lives on `device` (the worker puts it on the GPU on CUDA: blocks'
 keys move there once, when indexed, and probes score there); queries must
