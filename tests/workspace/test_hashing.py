@@ -24,3 +24,53 @@ def test_extension_is_incremental():
     tokens = list(range(20))
     part = extend_block_hashes([], tokens[:9], 4, "s")
     assert extend_block_hashes(part, tokens, 4, "s") == hashes(tokens, salt="s")
+
+
+def test_the_memo_gives_the_hashes_of_hashing_from_scratch_and_reuses_a_shared_prefix(monkeypatch):
+    import random
+
+    from vllm_sekv.workspace import hashing
+
+    rng = random.Random(0)
+    history = [rng.randrange(50000) for _ in range(400)]
+    memo = hashing.PrefixHashMemo(block_tokens=4, capacity_tokens=1000)
+    calls = []
+    real = hashing.extend_block_hashes
+
+    def counting(hashes, token_ids, bt, salt):
+        before = len(hashes)
+        out = real(hashes, token_ids, bt, salt)
+        calls.append(len(out) - before)
+        return out
+
+    monkeypatch.setattr(hashing, "extend_block_hashes", counting)
+    cases = [
+        (history[:201], "s", "agent"),                       # first: everything hashed
+        (history[:201] + [7, 8, 9, 10, 11], "s", "agent"),   # the next step: only the new blocks
+        (history[:150] + [1] + history[151:300], "s", "agent"),  # an edit in block 37
+        (history[:300], "t", "agent"),                       # another tenant: nothing shared
+        (history[:40], "s", "agent"),                        # shorter
+        (history[:300], "s", None),                          # no session: its own entry
+    ]
+    for tokens, salt, key in cases:
+        got = memo.hashes(tokens, salt, key)
+        assert got == real([], tokens, 4, salt)
+    got = memo.hashes(history[:300], "s", None)  # the same again
+    assert got == real([], history[:300], 4, "s")
+    # blocks hashed per call: all; the new one; all (the edit is in the shared
+    # part); all (another salt); none (a prefix of the edited prompt); all; none
+    assert calls == [50, 1, 75, 75, 0, 75, 0]
+
+
+def test_the_memo_keeps_a_copy_and_stays_within_its_capacity():
+    from vllm_sekv.workspace.hashing import PrefixHashMemo
+
+    memo = PrefixHashMemo(block_tokens=4, capacity_tokens=100)
+    tokens = list(range(80))
+    first = memo.hashes(tokens, "s", "a")
+    tokens[3] = -1  # the caller rewrites its list: the memo must not follow
+    assert memo.hashes(tokens, "s", "a") == extend_block_hashes([], tokens, 4, "s") != first
+    memo.hashes(list(range(60)), "s", "b")  # 80 + 60 > 100: the oldest entry goes
+    assert memo._tokens <= 100 and ("s", "a") not in memo._entries
+    memo.hashes(list(range(500)), "s", "c")  # longer than the capacity: not kept
+    assert ("s", "c") not in memo._entries

@@ -33,3 +33,50 @@ def extend_block_hashes(
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
         hashes.append(parent)
     return hashes
+
+
+class PrefixHashMemo:
+    """The block hashes of recently hashed token sequences, reused for a new
+    sequence that begins with one of them.
+
+    An agent resends its whole history every step: hashing a 512K-token prompt
+    again costs ~30 ms, comparing it with the last one a few. One entry per
+    `(salt, key)` (`key`: the session id, or None for a tenant's requests
+    without one), holding a copy of the tokens (callers may rewrite theirs)
+    and their hashes; the least recently used entries go once the entries
+    hold more than `capacity_tokens` tokens in all.
+
+    `hashes(...)` equals `extend_block_hashes([], token_ids, block_tokens, salt)`
+    in every case: hashes are reused only for whole blocks whose tokens are
+    equal, under the same salt, and a chained hash depends on nothing else.
+    Not thread-safe; blocking.
+    """
+
+    def __init__(self, block_tokens: int, capacity_tokens: int = 1 << 22) -> None:
+        self.block_tokens = block_tokens
+        self.capacity_tokens = capacity_tokens
+        self._entries: dict[tuple[str, str | None], tuple[list[int], list[bytes]]] = {}
+        self._tokens = 0
+
+    def hashes(self, token_ids: Sequence[int], salt: str, key: str | None = None) -> list[bytes]:
+        """The hashes of every full block of `token_ids` (a new list)."""
+        bt = self.block_tokens
+        full = len(token_ids) // bt * bt
+        entry = self._entries.pop((salt, key), None)
+        out: list[bytes] = []
+        if entry is not None:  # its tokens are whole blocks, one hash each
+            self._tokens -= len(entry[0])
+            old_tokens, old_hashes = entry
+            n = min(len(old_tokens), full)
+            old = old_tokens if n == len(old_tokens) else old_tokens[:n]  # the usual case: the prompt grew
+            if n and token_ids[n - 1] == old[n - 1] and old == token_ids[:n]:  # lists (other types: no reuse)
+                out = old_hashes[: n // bt]
+        extend_block_hashes(out, token_ids, bt, salt)
+        if full <= self.capacity_tokens:
+            kept = token_ids[:full]  # a copy: callers may rewrite their list
+            self._entries[(salt, key)] = (kept if isinstance(kept, list) else list(kept), out)
+            self._tokens += full
+            while self._tokens > self.capacity_tokens:
+                oldest = next(iter(self._entries))
+                self._tokens -= len(self._entries.pop(oldest)[0])
+        return list(out)

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
-from vllm_sekv.workspace.hashing import extend_block_hashes
+from vllm_sekv.workspace.hashing import PrefixHashMemo, extend_block_hashes
 from vllm_sekv.workspace.coarse import CoarsePlan
 from vllm_sekv.workspace.plan import (
     CoarseOp, CoarseSummaries, LowRankBlock, RestoreOp, ScoreOp, StepPlan, SurprisalOp,
@@ -108,6 +108,8 @@ class WorkspacePlanner:
         self.paged_block_size = paged_block_size
         self.min_restore_tokens = min_restore_tokens
         self.requests: dict[str, RequestState] = {}
+        # A session's next prompt repeats its last one: reuse those block hashes.
+        self._prompt_hashes = PrefixHashMemo(block_tokens)
         self._next_step = 0
         self._confirmed_step = -1
         self._index_queue: list[tuple[int, int]] = []
@@ -136,7 +138,7 @@ class WorkspacePlanner:
             st = self.requests[req_id] = RequestState(
                 req_id, salt, session_id, len(prompt_token_ids)
             )
-        extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, salt)
+        self._hash_prompt(st, prompt_token_ids)
         bt = self.block_tokens
         first = local_tokens // bt
         self.catalog.unpin(st.waiting_pins)
@@ -211,7 +213,7 @@ class WorkspacePlanner:
             st = self.requests[req_id] = RequestState(
                 req_id, salt, session_id, len(prompt_token_ids)
             )
-        extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, salt)
+        self._hash_prompt(st, prompt_token_ids)
         self.catalog.unpin(st.waiting_pins + st.view_pins)
         st.waiting_pins, st.view_pins = [], []
         held = self.catalog.match_prefix(st.hashes)
@@ -223,6 +225,14 @@ class WorkspacePlanner:
         st.matched, st.match_first_block = held[:usable], 0
         st.view_pins = st.matched
         return usable
+
+    def _hash_prompt(self, st: RequestState, prompt_token_ids: Sequence[int]) -> None:
+        """`st.hashes` cover every full block of the prompt (hashed once per
+        request, reusing what the session's last prompt shares with it)."""
+        if not st.hashes:
+            st.hashes = self._prompt_hashes.hashes(prompt_token_ids, st.salt, st.session_id)
+        else:
+            extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, st.salt)
 
     def history_surprisal(self, req_id: str) -> np.ndarray | None:
         """Surprisal of each token of `req_id`'s matched history, in virtual
