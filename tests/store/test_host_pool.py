@@ -33,6 +33,10 @@ def test_rows_land_in_their_slot_and_offset():
     assert pool.data.count_nonzero() == 4
 
 
+# Runs of whole slots (2-3, 5, 4, 6) and rows that are not (2, 3, 39).
+MIXED_ROWS = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 2, 3, 20, 21, 22, 23, 16, 17, 18, 19, 39, 24, 25, 26, 27])
+
+
 def test_block_bytes():
     assert HostPool.bytes_per_block(30, 32, 3, 64, torch.bfloat16) == 2 * 30 * 32 * 3 * 64 * 2
     pool = HostPool(2, 30, 32, 3, 64, torch.bfloat16)
@@ -44,7 +48,7 @@ def test_rows_in_whole_slots_are_written_as_slices_with_the_same_result():
 
     from vllm_sekv.store import HostPool
 
-    rows = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 2, 3, 20, 21, 22, 23, 16, 17, 18, 19, 39, 24, 25, 26, 27])
+    rows = MIXED_ROWS
     for dtype in (torch.float32, torch.bfloat16):
         fast, slow = (HostPool(10, 2, 4, 2, 3, dtype) for _ in range(2))
         fast.data.zero_()
@@ -61,7 +65,7 @@ def test_rows_in_whole_slots_are_written_as_slices_with_the_same_result():
 
 
 def test_writing_every_layer_at_once_equals_writing_layer_by_layer():
-    rows = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 2, 3, 20, 21, 22, 23, 16, 17, 18, 19, 39, 24, 25, 26, 27])
+    rows = MIXED_ROWS
     for dtype in (torch.float32, torch.bfloat16):
         together, apart = (HostPool(10, 3, 4, 2, 5, dtype) for _ in range(2))
         together.data.zero_()

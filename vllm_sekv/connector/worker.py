@@ -311,7 +311,9 @@ class SekvWorkerSide:
         deltas = op.rope_deltas if op.rope_deltas is not None else np.zeros(n, dtype=np.int64)
         virtual = op.first_position + np.arange(n, dtype=np.int64) - deltas
         slots = op.host_rows // bt
-        row_rank = np.array([op.lowrank[s].rank if s in op.lowrank else 0 for s in slots.tolist()], dtype=np.int64)
+        held, row_slot = np.unique(slots, return_inverse=True)  # per block, not per row
+        row_rank = np.array([op.lowrank[s].rank if s in op.lowrank else 0 for s in held.tolist()],
+                            dtype=np.int64)[row_slot]
         lossy = row_rank > 0
         for slot in np.unique(slots[lossy]).tolist():
             block = op.lowrank[slot]
