@@ -103,6 +103,10 @@ def engine_main(spec: dict) -> None:
     """One engine in this process: prefill, reset, time the follow-ups."""
     import random
 
+    if spec.get("timers"):
+        import host_timers
+
+        print(f"host timers on: {host_timers.install()}", flush=True)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -142,12 +146,17 @@ def engine_main(spec: dict) -> None:
             if spec["engine"] != "warm":
                 llm.reset_prefix_cache()
             time.sleep(0.5)  # let asynchronous offload/write-behind work settle
+            before = host_timers.snapshot() if spec.get("timers") else None
             seconds, out = generate(step)
+            if before is not None:
+                timers = host_timers.diff(before, host_timers.snapshot())
             times.append(seconds)
             cached.append(out.num_cached_tokens)
             params_seen = out.kv_transfer_params
         rows.append({"engine": spec["engine"], "history_tokens": length, "ttft_s": statistics.median(times),
                      "ttft_all_s": times, "num_cached_tokens": cached, "kv_transfer_params": params_seen})
+        if spec.get("timers") and spec["phase"] != "capture":
+            rows[-1]["timers"] = timers  # of the last repeat
         print(f"[{spec['engine']}] {length}: TTFT {statistics.median(times):.3f} s (all {times}), "
               f"cached {cached}, {params_seen}", flush=True)
     if spec["phase"] == "capture":
@@ -177,7 +186,8 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
     path = workdir / f"{spec['engine']}-{spec['phase']}.json"
     spec = {**spec, "out": str(path.with_suffix(".rows.json"))}
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, __file__, "--engine-spec", str(path)], timeout=spec["timeout_s"])
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if spec.get("timers") else None
+    proc = subprocess.run([sys.executable, __file__, "--engine-spec", str(path)], timeout=spec["timeout_s"], env=env)
     if proc.returncode != 0:
         print(f"engine {spec['engine']} ({spec['phase']}) failed with {proc.returncode}", flush=True)
         return []
@@ -236,6 +246,19 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
         cells.append(cell(None if host is None else bound / host, "{:.2f}"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Per engine and length: every repeat's time and vLLM's `num_cached_tokens` are in the JSON."]
+    for length in lengths:
+        timed = [r for r in rows if r["history_tokens"] == length and "timers" in r]
+        if not timed:
+            continue
+        labels = sorted({label for r in timed for label in r["timers"]},
+                        key=lambda label: -max(r["timers"].get(label, {"ms": 0.0})["ms"] for r in timed))
+        lines += ["", f"Host time of the last follow-up at {length // 1024}K (`--timers`, engine in the benchmark's "
+                  "process; ms, calls in brackets; nested methods count in their callers too):", "",
+                  "| method | " + " | ".join(r["engine"] for r in timed) + " |", "|---" * (len(timed) + 1) + "|"]
+        for label in labels:
+            cells = [f"{r['timers'][label]['ms']:.2f} ({r['timers'][label]['calls']:.0f})" if label in r["timers"]
+                     else "—" for r in timed]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"h2d_bytes_per_s": bandwidth, "pitched_bytes_per_s": pitched,
                                                     "rows": rows, "commands": commands}, indent=1))
@@ -252,6 +275,9 @@ def main() -> None:
     ap.add_argument("--host-bytes", default="48G")
     ap.add_argument("--nvme-dir", default="/tmp/sekv_nvme")
     ap.add_argument("--timeout-s", type=int, default=480)
+    ap.add_argument("--timers", action="store_true",
+                    help="engines in this process (no engine-core process), with the host time of the last "
+                         "follow-up inside vLLM's and sekv's methods (host_timers.py)")
     ap.add_argument("--out", default="benchmarks/results/gpu/restore_e2e")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="only write the report from these runs' JSON outputs (e.g. engines run apart)")
@@ -274,7 +300,8 @@ def main() -> None:
     bandwidth, pitched = h2d_bandwidth(), pitched_bandwidth()
     print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s, pitched layer copies: {pitched / 1e9:.1f} GB/s", flush=True)
     base = {"model_dir": str(model_dir), "lengths": args.lengths, "repeats": args.repeats,
-            "native_cpu_gib": args.native_cpu_gib, "timeout_s": args.timeout_s, "phase": "all"}
+            "native_cpu_gib": args.native_cpu_gib, "timeout_s": args.timeout_s, "phase": "all",
+            "timers": args.timers}
     rows: list[dict] = []
     for engine in args.engines:
         if engine == "sekv-disk":

@@ -125,7 +125,21 @@ def make_llm(spec: dict):
                **kwargs)
 
 
+def timed(run, steps_of=lambda result: 1) -> tuple[dict, dict]:
+    """`run()`'s result, and the host time its steps spent in the methods
+    `host_timers` watches, per step (`steps_of(result)` steps)."""
+    import host_timers
+
+    before = host_timers.snapshot()
+    result = run()
+    return result, host_timers.diff(before, host_timers.snapshot(), per=max(1, steps_of(result)))
+
+
 def engine_main(spec: dict) -> None:
+    if spec.get("timers"):
+        import host_timers
+
+        print(f"host timers on: {host_timers.install()}", flush=True)
     rng = random.Random("views-e2e")
     vocab = spec["vocab"]
     history = [rng.randrange(1000, vocab) for _ in range(max(spec["sizes"]))]
@@ -148,6 +162,9 @@ def engine_main(spec: dict) -> None:
                    "ttft_s": statistics.median(s["ttft_s"] for s in steps), "memory": gpu_memory()}
             if size == max(spec["sizes"]):
                 row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
+                if spec.get("timers"):
+                    _, row["step_timers"] = timed(lambda: session.run(history[:size] + question(), 1, extra))
+                    row["decode_timers"] = decode_timers(session, history[:size] + question(), spec, extra)
                 if spec["profile"]:
                     row["profile"] = profiled(lambda: session.run(history[:size] + question(), 1, extra))
                     row["decode_profile"] = profiled(
@@ -163,9 +180,30 @@ def engine_main(spec: dict) -> None:
         rows.append({"engine": spec["engine"], "context_tokens": len(context), "cold_ttft_s": cold["ttft_s"],
                      "warm_ttft_s": statistics.median(s["ttft_s"] for s in warm), "warm": warm,
                      "decode": decode, "memory": gpu_memory()})
+        if spec.get("timers"):
+            _, rows[-1]["step_timers"] = timed(lambda: session.run(context + question(), 1))
+            rows[-1]["decode_timers"] = decode_timers(session, context + question(), spec)
         print(f"[{spec['engine']}] cold {cold['ttft_s']:.3f} s, warm {rows[-1]['warm_ttft_s']:.3f} s, "
               f"decode {decode['decode_s_per_token'] * 1e3:.2f} ms/token, {rows[-1]['memory']}", flush=True)
     Path(spec["out"]).write_text(json.dumps(rows))
+
+
+def decode_timers(session: "Session", ids: list[int], spec: dict, extra: dict | None = None) -> dict:
+    """Host time per decode token: a long decode minus a one-token step."""
+    import host_timers
+
+    one = host_timers.snapshot()
+    session.run(ids, 1, extra)
+    two = host_timers.snapshot()
+    session.run(ids, spec["decode_tokens"] + 1, extra)
+    three = host_timers.snapshot()
+    first, whole = host_timers.diff(one, two), host_timers.diff(two, three)
+    out = {}
+    for label, t in whole.items():
+        f = first.get(label, {"calls": 0, "ms": 0.0})
+        out[label] = {"calls": (t["calls"] - f["calls"]) / spec["decode_tokens"],
+                      "ms": (t["ms"] - f["ms"]) / spec["decode_tokens"]}
+    return out
 
 
 def run_engine(spec: dict, workdir: Path) -> list[dict]:
@@ -226,9 +264,31 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
         if decode:
             line += f"; sekv / plain-sync {decode['decode_s_per_token'] / plain_sync['decode']['decode_s_per_token']:.3f}x"
         lines += ["", line + "."]
+    lines += timer_tables(rows)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": " && ".join(commands)}, indent=1))
     print("\n".join(lines), flush=True)
+
+
+def timer_tables(rows: list[dict]) -> list[str]:
+    """Host ms per decode token and per step in each watched method, engines side by side."""
+    lines = []
+    for key, what in (("decode_timers", "per decode token"), ("step_timers", "per step (64 new tokens, 1 sampled)")):
+        timed_rows = [r for r in rows if key in r]
+        if not timed_rows:
+            continue
+        names = [f"{r['engine']} {r.get('session_tokens', r.get('context_tokens', 0)) // 1024}K" for r in timed_rows]
+        labels = sorted({label for r in timed_rows for label in r[key]},
+                        key=lambda label: -max(r[key].get(label, {"ms": 0.0})["ms"] for r in timed_rows))
+        lines += ["", f"Host time {what} (`--timers`; ms, calls in brackets; nested methods count in their callers too):",
+                  "", "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for label in labels:
+            cells = []
+            for r in timed_rows:
+                t = r[key].get(label)
+                cells.append(f"{t['ms']:.3f} ({t['calls']:.1f})" if t else "—")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -246,6 +306,8 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=int, default=540)
     ap.add_argument("--profile", action="store_true",
                     help="profile one more step, and one more decode, at the largest size (host side)")
+    ap.add_argument("--timers", action="store_true",
+                    help="host time per step and per decode token inside vLLM's and sekv's methods (host_timers.py)")
     ap.add_argument("--out", default="benchmarks/results/gpu/views_e2e")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only write the report from these runs' JSON")
     args = ap.parse_args()
@@ -267,7 +329,7 @@ def main() -> None:
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab": vocab, "sizes": args.sizes,
             "view_tokens": args.view_tokens, "steps": args.steps, "decode_tokens": args.decode_tokens,
             "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s,
-            "profile": args.profile}
+            "profile": args.profile, "timers": args.timers}
     rows: list[dict] = []
     for engine in args.engines:
         if engine == "sekv":

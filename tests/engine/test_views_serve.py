@@ -66,3 +66,14 @@ def test_an_edited_history_truncates_the_workspace_and_still_answers(session, ev
     block, _ = needle_block(tok, eval_tasks, task)
     assert block in view["selected_blocks"]
     assert eval_tasks.is_correct(task.answer, after_edit["choices"][0]["message"]["content"])
+
+
+def test_a_views_restore_ms_counts_every_pass(session):
+    """A view's response reports all its passes' restore time (the probe's
+    and the final pass's, which vLLM hands over after the request finished):
+    the same time the server's restore counter added for it."""
+    _, _, _, one, _, _ = session
+    assert sekv(one)["view"]["passes"] == {"probe": 1, "final": 1}
+    counted_ms = one["restore_seconds_counted"] * 1000
+    assert counted_ms > 0
+    assert sekv(one)["restore_ms"] == pytest.approx(counted_ms, rel=1e-3, abs=0.01)

@@ -7,6 +7,9 @@ SmolLM2's 8192-token window), asks for the key, then edits its history (drops
 the last document) and asks again. Requests ask for a 4096-token view budget
 through `kv_transfer_params`.
 """
+import time
+import urllib.request
+
 from test_http_serve import post
 from vllm_sekv.serving import LocalServer
 
@@ -20,6 +23,25 @@ BT = 32
 def tool_turn_ends(messages):
     """Indices just past each tool message: the agent's steps."""
     return [i + 1 for i, m in enumerate(messages) if m["role"] == "tool"]
+
+
+def restore_seconds_counter(url):
+    """The server's `vllm:sekv_restore_seconds_total` (Prometheus), summed over engines."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:sekv_restore_seconds_total"))
+
+
+def counted_restore_seconds(url, before, timeout_s=10.0):
+    """What the restore counter added since `before` (stats reach the metrics
+    with the step's output, so wait until it moves)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = restore_seconds_counter(url)
+        if now != before or time.monotonic() > deadline:
+            return now - before
+        time.sleep(0.2)
 
 
 def needle_block(tok, tasks, task):
@@ -47,7 +69,10 @@ def run_reader_session(model_dir, eval_tasks, sekv, vllm_args, env):
         question = {"model": model_dir, "messages": task.messages, "temperature": 0,
                     "session_id": "reader", "kv_transfer_params": VIEW,
                     "continue_final_message": True, "add_generation_prompt": False}
+        counter = restore_seconds_counter(server.url)
         one = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 1})
+        # every restore of this one request, as the server's metrics counted them
+        one["restore_seconds_counted"] = counted_restore_seconds(server.url, counter)
         answer = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 10})
         # The agent edits its history: it drops the last document it read
         # (call and result). The workspace is cut there and the question forks

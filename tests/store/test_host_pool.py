@@ -70,17 +70,17 @@ def test_writing_every_layer_at_once_equals_writing_layer_by_layer():
         together, apart = (HostPool(10, 3, 4, 2, 5, dtype) for _ in range(2))
         together.data.zero_()
         apart.data.zero_()
-        kv = torch.randn(3, 2, len(rows), 2, 5).to(dtype)  # [layers, K/V, n, H, D]
+        kv = torch.randn(2, 3, len(rows), 2, 5).to(dtype)  # [K/V, layers, n, H, D]
         runs = together.slot_runs(rows)
         assert runs.whole and len(runs.rest)  # both paths taken
         together.write_rows_all_layers(rows, kv, runs)
         for layer in range(3):
-            apart.write_rows(layer, rows, kv[layer, 0], kv[layer, 1], runs)
+            apart.write_rows(layer, rows, kv[0, layer], kv[1, layer], runs)
         assert torch.equal(together.data, apart.data)
     one = HostPool(3, 2, 4, 1, 2, torch.float32)  # a single decode token
     one.data.zero_()
     one.write_rows_all_layers(torch.tensor([6]), torch.arange(8.0).reshape(2, 2, 1, 1, 2))
-    assert one.data[1, :, :, 2].tolist() == [[[[0.0, 1.0]], [[4.0, 5.0]]], [[[2.0, 3.0]], [[6.0, 7.0]]]]
+    assert one.data[1, :, :, 2].tolist() == [[[[0.0, 1.0]], [[2.0, 3.0]]], [[[4.0, 5.0]], [[6.0, 7.0]]]]
     assert one.data.count_nonzero() == 7
 
 

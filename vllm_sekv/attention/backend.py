@@ -4,12 +4,14 @@ The wrapper subclasses the platform's backend and impl classes and changes two
 things: after the platform writes a step's K (post-RoPE) and V into the paged
 cache, it hands the same tensors — `[tokens, kv_heads, head_dim]`, straight
 from the attention layer's inputs — to the active sekv connector's
-`capture_kv(layer, key, value, slot_mapping)`; and before attention it shows
-the layer's queries to `observe_queries(layer, query)` (a probe scores the
-block index with them), after making sure the layer's restored KV is written
-(`wait_for_layer_load`, which vLLM normally calls just before); and after
+`capture_kv(layer, key, value, slot_mapping)`; and, in steps where the
+connector's `attention_hooks` is true, before attention it shows the layer's
+queries to `observe_queries(layer, query)` (a probe scores the block index with
+them), after making sure the layer's restored KV is written
+(`wait_for_layer_load`, which vLLM normally calls just before), and after
 attention it lets `merge_coarse(layer, query, output, scale)` merge SeKV
-summaries into the output in place. The paged cache is never parsed by hand (its layout
+summaries into the output in place. Other steps (decode) pay one attribute
+read per layer before attention. The paged cache is never parsed by hand (its layout
 is platform-specific; the CPU one is transposed).
 
 `write_kv` is the restore path: the platform's own cache-update op, without
@@ -45,14 +47,12 @@ def wrap_impl(base: type) -> type:
 
         def forward(self, layer: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any):
             connector: Any = compat.active_connector()
-            observe = getattr(connector, "observe_queries", None)
-            if observe is not None:
-                connector.wait_for_layer_load(layer.layer_name)  # idempotent; vLLM calls it first
-                observe(layer, query)
+            if not getattr(connector, "attention_hooks", False):  # most steps: nothing to do here
+                return super().forward(layer, query, *args, **kwargs)
+            connector.wait_for_layer_load(layer.layer_name)  # idempotent; vLLM calls it first
+            connector.observe_queries(layer, query)
             output = super().forward(layer, query, *args, **kwargs)
-            merge = getattr(connector, "merge_coarse", None)
-            if merge is not None:
-                merge(layer, query, output, self.scale)
+            connector.merge_coarse(layer, query, output, self.scale)
             return output
 
         def write_kv(

@@ -55,12 +55,18 @@ class SekvConnector(KVConnectorBase_V1):
         return  # K/V are captured by the attention hook (capture_kv), not from paged bytes
 
     def wait_for_save(self) -> None:
-        return  # captures complete synchronously in the forward
+        return  # captures are stored after the forward (`build_connector_worker_meta`)
 
     def capture_kv(self, layer: Any, key: Any, value: Any, slot_mapping: Any) -> None:
         """Called by the attention hook after the platform wrote a layer's K/V."""
         if self._worker is not None:
             self._worker.capture_kv(layer, key, value, slot_mapping)
+
+    @property
+    def attention_hooks(self) -> bool:
+        """Whether this step needs `observe_queries` / `merge_coarse` (and the
+        hook's `wait_for_layer_load`) around each layer's attention."""
+        return self._worker is not None and self._worker.attention_hooks
 
     def observe_queries(self, layer: Any, query: Any) -> None:
         """Called by the attention hook with a layer's queries, before attention."""

@@ -177,8 +177,8 @@ class SekvSchedulerSide:
             if st is not None:
                 st.restore_seconds += seconds
             params = self._open_params.get(req_id)
-            if params is not None:
-                params["restore_ms"] = round(1000.0 * seconds, 3)
+            if params is not None:  # finished this step: its last restore adds to what it reported
+                params["restore_ms"] = round(params["restore_ms"] + 1000.0 * seconds, 3)
         for req_id, rows in meta.scores.items():
             self.views.set_scores(req_id, rows)
         if meta.surprisal is not None:
@@ -214,8 +214,11 @@ class SekvSchedulerSide:
         if view_info is not None:
             params["prefilled_tokens"] = view_info.pop("prefilled_tokens")
             params["view"] = view_info
-        if restored and st.restore_seconds == 0.0:
-            self._open_params[req_id] = params  # the worker's report comes later this step
+        if restored:
+            # vLLM frees a request before it hands the scheduler side its
+            # step's worker report: that step's restore time (a view's final
+            # pass, or a one-step request's only restore) comes later this step.
+            self._open_params[req_id] = params
         self._write_manifest()
         return False, {"sekv": params}
 

@@ -15,17 +15,19 @@ Runs in each worker process, on the forward thread, in this order per step:
                    each layer's attention: a layerwise restore writes that
                    layer and enqueues the copy of a later one; never blocks;
   `capture_kv`     called by the attention hook once per layer, right after
-                   the platform wrote that layer's K/V: keeps a copy of the
-                   planned rows on the device (no copy to the host, no
-                   synchronization);
+                   the platform wrote that layer's K/V: gathers the planned
+                   rows into the step's device buffer (`StepCapture`; no copy
+                   to the host, no synchronization);
   `observe_queries` called by the attention hook once per layer before
                    attention: a probe's queries score candidate blocks of the
                    index (accumulated over the probe's steps);
   (SeKV, `surprisal` on) after the model's forward, a hook records the
                    surprisal of the step's captured tokens (`SurprisalRecorder`);
-  `build_worker_meta` after the forward: writes the step's captured rows of
+  `build_worker_meta` after the forward: stores the step's captured rows of
                    every layer into the host pool, keys rotated to their
-                   virtual positions, with one device->host copy,
+                   virtual positions (`CaptureWriter`: on CUDA pitched
+                   device->host copies straight into the pinned pool on a
+                   side stream, settled at the next `bind`),
                    writes any layer a layerwise restore
                    still holds (the cache never keeps stale KV), reports the
                    step as done, with capture failures, restore times and the
@@ -55,6 +57,7 @@ from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.connector.surprisal import SurprisalRecorder
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store import HostPool, cudart
+from vllm_sekv.store.capture import CaptureWriter, StepCapture
 from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.codecs import LowRankCodec, parse_codec
 from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
@@ -98,11 +101,13 @@ class SekvWorkerSide:
         self._confirmed_step = -1
         self._failed_slots: set[int] = set()
         self._restore_seconds: dict[str, float] = {}
-        self._capture_rows: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # This step's captured K/V, per layer, kept on the device until the
-        # forward ends; then one device->host copy (`_flush_captures`).
-        self._captured: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._d2h: torch.Tensor | None = None  # CUDA: pinned bounce buffer of that copy, grown as needed
+        # This step's captured K/V of every layer, kept on the device until the
+        # forward ends; then stored by `capture_writer` (asynchronously on CUDA).
+        self._capture: StepCapture | None = None
+        self.capture_writer: CaptureWriter | None = None
+        # Whether this step needs the attention hook's per-layer calls before
+        # and after attention (probes, coarse merges, a layerwise restore).
+        self.attention_hooks = False
         # Probes of this step: (op, batch rows of its queries, their positions).
         self._probe_rows: list[tuple[ScoreOp, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._score_acc: dict[str, torch.Tensor] = {}  # req_id -> [L, Hq, B]
@@ -160,6 +165,7 @@ class SekvWorkerSide:
         except RuntimeError as e:  # page-locking the tier failed (CUDA), or no memory for it
             raise RuntimeError(f"sekv config 'host_bytes': the host tier of {self.config.host_bytes} bytes "
                                f"could not be allocated and pinned ({e}); lower host_bytes") from e
+        self.capture_writer = CaptureWriter(self.pool, device)
         if device.type == "cuda":
             self.pipeline = RestorePipeline(tuple(self.pool.data.shape[1:]), geo.dtype, device)
             if self.config.restore_mode == "layerwise" and not cudart.available():
@@ -192,8 +198,11 @@ class SekvWorkerSide:
     # ------------------------------------------------------------ each step
 
     def bind(self, metadata: SekvMetadata) -> None:
+        if self.capture_writer is not None:
+            self.capture_writer.settle()  # the last step's captures are in the pool before anything reads it
         plan = self._plan = metadata.plan
-        self._capture_rows = self._probe_rows = self._step_mapping = self._coarse_rows = None
+        self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = None
+        self.attention_hooks = False  # until `start_load_kv` knows the step needs them
         self._restored_keys = {}
         if self.coarse is not None:
             self.coarse.finish(plan.coarse_finished)
@@ -252,6 +261,7 @@ class SekvWorkerSide:
                 self.stats.add("views", 1)
         if self.coarse is not None:
             self._begin_coarse(plan)
+        self.attention_hooks = bool(plan.scores or plan.coarse or self._layerwise is not None)
 
     def _begin_coarse(self, plan: StepPlan) -> None:
         """Build the summaries of views starting in this step (all layers,
@@ -429,60 +439,46 @@ class SekvWorkerSide:
     def capture_kv(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        plan = self._plan
-        if plan is None or self.pool is None:
-            return
-        if self._step_mapping is None:
-            mapping = slot_mapping.cpu().numpy()
-            order = np.argsort(mapping, kind="stable")
-            self._step_mapping = (order, mapping[order])
-        if plan.scores and self._probe_rows is None:
-            self._probe_rows = self._resolve_probe_rows(plan, slot_mapping)
-        if plan.coarse and self.coarse is not None:
-            if self._coarse_rows is None:
-                self._coarse_rows = []
-                for op in plan.coarse:
-                    found, rows = self._step_rows(op.query_paged_slots)
-                    self._coarse_rows.append((op.req_id, StepRows.of(rows, op.query_positions[found], key.device)))
+        if self._step_mapping is None:  # the forward's first layer
+            if self._plan is None or self.pool is None:
+                return
+            self._begin_forward(key, slot_mapping)
+        if self._coarse_rows:
             layer_idx = self.layer_of[layer.layer_name]
             for req_id, step in self._coarse_rows:
                 self.coarse.keys_written(req_id, layer_idx, key[step.rows], step)
-        if not len(plan.capture_paged_slots):
-            return
-        batch_rows, host_rows, deltas = self._resolve_capture_rows(plan, slot_mapping)
-        if len(batch_rows):  # copies: vLLM reuses its buffers
-            self._captured.append((self.layer_of[layer.layer_name], key[batch_rows], value[batch_rows]))
+        if self._capture is not None:
+            self._capture.take(self.layer_of[layer.layer_name], key, value)
+
+    def _begin_forward(self, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Once per forward, at its first layer: where the plan's rows sit in
+        this batch (one slot mapping serves every layer)."""
+        plan = self._plan
+        mapping = slot_mapping.cpu().numpy()
+        order = np.argsort(mapping, kind="stable")
+        self._step_mapping = (order, mapping[order])
+        if plan.scores:
+            self._probe_rows = self._resolve_probe_rows(plan, slot_mapping)
+        if plan.coarse and self.coarse is not None:
+            self._coarse_rows = []
+            for op in plan.coarse:
+                found, rows = self._step_rows(op.query_paged_slots)
+                self._coarse_rows.append((op.req_id, StepRows.of(rows, op.query_positions[found], key.device)))
+        if len(plan.capture_paged_slots):
+            self._capture = self._resolve_capture(plan, slot_mapping.device)
 
     def _flush_captures(self) -> None:
-        """After the forward: this step's captured K/V of every layer into
-        their host rows, keys rotated to their virtual positions, with one
-        rotation and one device->host copy (through a pinned buffer on CUDA)
-        for all layers instead of one synchronizing copy per layer."""
-        captured, self._captured = self._captured, []
-        if not captured:
+        """After the forward: this step's captured rows of every layer into
+        their host rows, keys rotated to their virtual positions (on CUDA
+        asynchronously; `bind` settles them before the next step). A capture
+        that missed a layer fails its slots."""
+        capture, self._capture = self._capture, None
+        if capture is None or self.capture_writer.write(capture, self.rope):
             return
-        _, _, host_rows, deltas = self._capture_rows
-        keys = torch.stack([k for _, k, _ in captured])  # [layers, n, H, D]
-        if deltas is not None:
-            layers, n, heads, dim = keys.shape
-            flat = keys.transpose(0, 1).reshape(n, layers * heads, dim)
-            keys = rotate_keys(flat, deltas, self.rope).reshape(n, layers, heads, dim).transpose(0, 1)
-        values = torch.stack([v for _, _, v in captured])
-        stacked = torch.stack([keys.to(self.pool.data.dtype), values.to(self.pool.data.dtype)], 1)  # [layers, 2, n, H, D]
-        if stacked.is_cuda:
-            if self._d2h is None or self._d2h.numel() < stacked.numel():
-                self._d2h = torch.empty(stacked.numel(), dtype=stacked.dtype, pin_memory=True)
-            host = self._d2h[: stacked.numel()].view(stacked.shape)
-            host.copy_(stacked)
-        else:
-            host = stacked
-        runs = self.pool.slot_runs(host_rows)
-        layers = [layer for layer, _, _ in captured]
-        if layers == list(range(self.geometry.num_layers)):  # every layer, in order: one write
-            self.pool.write_rows_all_layers(host_rows, host, runs)
-            return
-        for i, layer in enumerate(layers):
-            self.pool.write_rows(layer, host_rows, host[i, 0], host[i, 1], runs)
+        lost = set((capture.host_rows // self.config.block_tokens).tolist())
+        self._failed_slots |= lost
+        self.stats.add("capture_failures", len(lost))
+        logger.warning("sekv: %d captured blocks dropped (a layer's K/V never reached the capture)", len(lost))
 
     def _step_rows(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found [len(want)] bool, batch row of each found paged slot) in this
@@ -494,17 +490,9 @@ class SekvWorkerSide:
         found = sorted_slots[pos] == want if len(sorted_slots) else np.zeros(len(want), bool)
         return found, order[pos[found]]
 
-    def _resolve_capture_rows(
-        self, plan: StepPlan, slot_mapping: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Rows of this forward's batch that hold the planned paged slots (on
-        the batch's device), their host rows, their RoPE deltas (on the device).
-
-        Computed once per step (all layers share one slot mapping). Planned
-        slots absent from the batch fail their host slot."""
-        cached = self._capture_rows
-        if cached is not None and cached[0] == plan.step_id:
-            return cached[1], cached[2], cached[3]
+    def _resolve_capture(self, plan: StepPlan, device: torch.device) -> StepCapture | None:
+        """The capture of this forward's planned rows (None: none in the
+        batch). Planned slots absent from the batch fail their host slot."""
         found, rows = self._step_rows(plan.capture_paged_slots)
         if not found.all():
             bt = self.config.block_tokens
@@ -512,14 +500,14 @@ class SekvWorkerSide:
             self._failed_slots |= lost
             self.stats.add("capture_failures", len(lost))
             logger.warning("sekv: %d captured blocks dropped (rows missing from the batch)", len(lost))
-        device = slot_mapping.device
-        batch_rows = to_device(rows, device)
-        host_rows = torch.from_numpy(plan.capture_host_rows[found])
+        if not len(rows):
+            return None
         deltas = plan.capture_rope_deltas[found] if len(plan.capture_rope_deltas) else None
         deltas = to_device(deltas, device) if deltas is not None and deltas.any() else None
-        self.stats.add("captured_tokens", int(found.sum()))
-        self._capture_rows = (plan.step_id, batch_rows, host_rows, deltas)
-        return batch_rows, host_rows, deltas
+        self.stats.add("captured_tokens", len(rows))
+        geo = self.geometry
+        return StepCapture(to_device(rows, device), plan.capture_host_rows[found], deltas,
+                           geo.num_layers, geo.kv_heads, geo.head_dim, self.pool.data.dtype)
 
     def _resolve_probe_rows(
         self, plan: StepPlan, slot_mapping: torch.Tensor
@@ -682,6 +670,8 @@ class SekvWorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        if self.capture_writer is not None:
+            self.capture_writer.settle()
         if self.records is not None:
             self.records.drain(wait=True)
             self.records.close()

@@ -108,20 +108,21 @@ class HostPool:
             self.data[slots, 1, layer, offsets] = value[rest].to(self.data.dtype)
 
     def write_rows_all_layers(self, rows: torch.Tensor, kv: torch.Tensor, runs: "SlotRuns | None" = None) -> None:
-        """Store K/V of every layer, `kv [num_layers, 2, n, kv_heads, head_dim]`
-        (K then V), at flat token rows `rows[n]`: `write_rows` for all layers in
-        one copy per run of whole slots and one for the other rows."""
+        """Store K/V of every layer, `kv [2, num_layers, n, kv_heads, head_dim]`
+        (K then V, the order of a slot's own layout), at flat token rows
+        `rows[n]`: `write_rows` for all layers in one copy per run of whole
+        slots and one for the other rows."""
         runs = runs if runs is not None else self.slot_runs(rows)
         bt = self.block_tokens
         for begin, first_slot, count in runs.whole:
-            part = kv[:, :, begin : begin + count * bt]  # [L, 2, count * bt, H, D]
+            part = kv[:, :, begin : begin + count * bt]  # [2, L, count * bt, H, D]
             part = part.reshape(*part.shape[:2], count, bt, *part.shape[3:])
-            self.data[first_slot : first_slot + count] = part.permute(2, 1, 0, 3, 4, 5)
+            self.data[first_slot : first_slot + count] = part.permute(2, 0, 1, 3, 4, 5)
         rest = runs.rest
         if len(rest):
             slots, offsets = rows[rest] // bt, rows[rest] % bt
             # advanced indices around two slices: the indexed view is [n, 2, L, H, D]
-            self.data[slots, :, :, offsets] = kv[:, :, rest].permute(2, 1, 0, 3, 4).to(self.data.dtype)
+            self.data[slots, :, :, offsets] = kv[:, :, rest].permute(2, 0, 1, 3, 4).to(self.data.dtype)
 
     def slot_runs(self, rows: torch.Tensor) -> "SlotRuns":
         """Split `rows` into runs of whole consecutive slots, each given in

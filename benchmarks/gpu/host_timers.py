@@ -1,0 +1,101 @@
+"""Where an engine's host time goes: wall time spent inside named vLLM and
+sekv methods, summed over a measured stretch of steps.
+
+The engine must run in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+`install()` wraps each method of `TARGETS` that exists in the running vLLM
+(missing ones are skipped: the list spans 0.26 and 0.32) with two
+`perf_counter` reads; `snapshot()` reads the sums and `diff(a, b)` what a
+stretch added. A nested call counts in both its own line and its caller's.
+Calls never synchronize with the GPU, so a method's time is its host time
+plus any wait for the GPU it makes itself (a device->host copy, an event).
+Overhead: about a microsecond per call.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+
+# (label, module, class, method)
+TARGETS = [
+    ("engine.step", "vllm.v1.engine.core", "EngineCore", "step"),
+    ("engine.step_with_batch_queue", "vllm.v1.engine.core", "EngineCore", "step_with_batch_queue"),
+    ("engine.add_request", "vllm.v1.engine.core", "EngineCore", "add_request"),
+    ("engine.preprocess_add_request", "vllm.v1.engine.core", "EngineCore", "preprocess_add_request"),
+    ("llm.add_request", "vllm.v1.engine.llm_engine", "LLMEngine", "add_request"),
+    ("llm.output_processing", "vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+    ("scheduler.schedule", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("scheduler.update_from_output", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("worker.execute_model", "vllm.v1.worker.gpu_worker", "Worker", "execute_model"),
+    ("worker.sample_tokens", "vllm.v1.worker.gpu_worker", "Worker", "sample_tokens"),
+    ("sekv.sched.get_num_new_matched_tokens", "vllm_sekv.connector.scheduler", "SekvSchedulerSide",
+     "get_num_new_matched_tokens"),
+    ("sekv.sched.update_state_after_alloc", "vllm_sekv.connector.scheduler", "SekvSchedulerSide",
+     "update_state_after_alloc"),
+    ("sekv.sched.build_connector_meta", "vllm_sekv.connector.scheduler", "SekvSchedulerSide", "build_connector_meta"),
+    ("sekv.sched.update_connector_output", "vllm_sekv.connector.scheduler", "SekvSchedulerSide",
+     "update_connector_output"),
+    ("sekv.sched.request_finished", "vllm_sekv.connector.scheduler", "SekvSchedulerSide", "request_finished"),
+    ("sekv.scheduler.add_request", "vllm_sekv.scheduler", "SekvScheduler", "add_request"),
+    ("sekv.worker.bind", "vllm_sekv.connector.worker", "SekvWorkerSide", "bind"),
+    ("sekv.worker.start_load_kv", "vllm_sekv.connector.worker", "SekvWorkerSide", "start_load_kv"),
+    ("sekv.worker.capture_kv", "vllm_sekv.connector.worker", "SekvWorkerSide", "capture_kv"),
+    ("sekv.worker.observe_queries", "vllm_sekv.connector.worker", "SekvWorkerSide", "observe_queries"),
+    ("sekv.worker.build_worker_meta", "vllm_sekv.connector.worker", "SekvWorkerSide", "build_worker_meta"),
+    ("sekv.worker.flush_captures", "vllm_sekv.connector.worker", "SekvWorkerSide", "_flush_captures"),
+    ("sekv.worker.take_stats", "vllm_sekv.connector.worker", "SekvWorkerSide", "take_stats"),
+]
+
+_SUMS: dict[str, list[float]] = {}  # label -> [calls, seconds]
+
+
+def _timed(label: str, fn):
+    entry = _SUMS.setdefault(label, [0, 0.0])
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    return wrapper
+
+
+def install() -> list[str]:
+    """Wrap every target found; returns the labels wrapped."""
+    done = []
+    for label, module, cls_name, method in TARGETS:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        fn = cls.__dict__.get(method)
+        if fn is None or getattr(fn, "__wrapped__", None) is not None:
+            continue
+        setattr(cls, method, _timed(label, fn))
+        done.append(label)
+    return done
+
+
+def snapshot() -> dict[str, tuple[int, float]]:
+    return {label: (int(calls), seconds) for label, (calls, seconds) in _SUMS.items()}
+
+
+def diff(before: dict, after: dict, per: int = 1) -> dict[str, dict]:
+    """What happened between two snapshots, per `per` steps: calls and ms."""
+    out = {}
+    for label, (calls, seconds) in after.items():
+        c0, s0 = before.get(label, (0, 0.0))
+        if calls > c0:
+            out[label] = {"calls": (calls - c0) / per, "ms": (seconds - s0) * 1e3 / per}
+    return out
+
+
+def table(timings: dict[str, dict], title: str) -> str:
+    lines = [f"{title}", "", "| method | calls | ms |", "|---|---|---|"]
+    for label, t in sorted(timings.items(), key=lambda kv: -kv[1]["ms"]):
+        lines.append(f"| {label} | {t['calls']:.1f} | {t['ms']:.3f} |")
+    return "\n".join(lines)

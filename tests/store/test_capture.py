@@ -1,0 +1,92 @@
+"""A step's capture: gathered layer by layer, stored at its host rows with
+keys rotated to their virtual positions; on CUDA asynchronously, into the
+pinned pool, and the same bytes as the synchronous path."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_sekv.ops import RopeSpec, rotate_keys
+from vllm_sekv.store import HostPool, cudart
+from vllm_sekv.store.capture import CaptureWriter, StepCapture, row_runs
+
+LAYERS, BT, H, D = 3, 4, 2, 8
+ROPE = RopeSpec(inv_freq=1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), rotary_dim=D)
+
+
+def test_row_runs_split_at_gaps_and_slot_ends():
+    rows = np.array([2, 3, 4, 5, 9, 10, 7, 8, 12])  # 4 slots of 4 rows
+    # [2, 3] | 4 opens slot 1: [4, 5] | a gap: [9, 10] | a gap: [7] | 8 opens slot 2: [8] | a gap: [12]
+    assert row_runs(rows, BT) == [(0, 2, 2), (2, 4, 2), (4, 9, 2), (6, 7, 1), (7, 8, 1), (8, 12, 1)]
+    assert row_runs(np.array([6]), BT) == [(0, 6, 1)]
+    assert row_runs(np.zeros(0, dtype=np.int64), BT) == []
+
+
+def _capture(device, host_rows, deltas, dtype=torch.bfloat16, tokens=11, seed=0):
+    """A capture of `host_rows` from a batch of `tokens` rows, every layer taken;
+    returns it and the per-layer (key, value) batches it saw."""
+    g = torch.Generator().manual_seed(seed)
+    batch_rows = torch.randperm(tokens, generator=g)[: len(host_rows)]
+    cap = StepCapture(batch_rows.to(device), np.asarray(host_rows), None if deltas is None else deltas.to(device),
+                      LAYERS, H, D, dtype)
+    seen = []
+    for layer in range(LAYERS):
+        # strided like vLLM's K/V: views into one fused qkv buffer
+        qkv = torch.randn(tokens, 3 * H * D, generator=g).to(device=device, dtype=torch.float32)
+        key, value = qkv[:, H * D: 2 * H * D].view(tokens, H, D), qkv[:, 2 * H * D:].view(tokens, H, D)
+        cap.take(layer, key, value)
+        seen.append((key[batch_rows.to(device)].cpu(), value[batch_rows.to(device)].cpu()))
+    return cap, seen
+
+
+def _expected(pool_slots, host_rows, seen, deltas, dtype):
+    want = HostPool(pool_slots, LAYERS, BT, H, D, dtype)
+    want.data.zero_()
+    rows = torch.as_tensor(np.asarray(host_rows))
+    for layer, (key, value) in enumerate(seen):
+        if deltas is not None:
+            key = rotate_keys(key.to(dtype), deltas, ROPE)
+        want.write_rows(layer, rows, key.to(dtype), value.to(dtype))
+    return want.data
+
+
+@pytest.mark.parametrize("with_deltas", [False, True])
+def test_a_capture_lands_at_its_host_rows_rotated_by_its_deltas(with_deltas):
+    host_rows = [5, 6, 7, 8, 13, 2]
+    deltas = torch.tensor([3, 3, 3, -2, 40, 0]) if with_deltas else None
+    cap, seen = _capture("cpu", host_rows, deltas)
+    pool = HostPool(5, LAYERS, BT, H, D, torch.bfloat16)
+    pool.data.zero_()
+    assert CaptureWriter(pool, torch.device("cpu")).write(cap, ROPE)
+    assert torch.equal(pool.data, _expected(5, host_rows, seen, deltas, torch.bfloat16))
+
+
+def test_a_capture_that_missed_a_layer_is_never_written():
+    cap = StepCapture(torch.tensor([0]), np.array([1]), None, LAYERS, H, D, torch.float32)
+    x = torch.randn(2, H, D)
+    cap.take(0, x, x)
+    cap.take(2, x, x)
+    assert not cap.complete
+    pool = HostPool(2, LAYERS, BT, H, D, torch.float32)
+    pool.data.zero_()
+    assert not CaptureWriter(pool, torch.device("cpu")).write(cap, ROPE)
+    assert pool.data.count_nonzero() == 0
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cudart.available()), reason="asynchronous path: CUDA only")
+def test_cuda_captures_are_copied_into_the_pinned_pool_asynchronously_with_the_same_bytes():
+    pool = HostPool(6, LAYERS, BT, H, D, torch.bfloat16, pin_memory=True)
+    writer = CaptureWriter(pool, torch.device("cuda"))
+    assert writer.stream is not None
+    expected = torch.zeros_like(pool.data)
+    steps = [([4, 5, 6, 7, 8, 9, 21], torch.tensor([1, 1, 1, 1, 5, 5, -7])), ([10], None), ([0, 3, 1], None)]
+    for i, (host_rows, deltas) in enumerate(steps):
+        cap, seen = _capture("cuda", host_rows, deltas, seed=i)
+        assert writer.write(cap, ROPE)
+        step = _expected(6, host_rows, seen, deltas, torch.bfloat16)
+        touched = torch.zeros(6 * BT, dtype=torch.bool)
+        touched[host_rows] = True
+        touched = touched.view(6, BT)[:, None, None, :, None, None].expand_as(expected)
+        expected = torch.where(touched, step, expected)
+    writer.settle()
+    assert not writer._pending
+    assert torch.equal(pool.data, expected)

@@ -1,0 +1,125 @@
+"""A step's captured K/V: gathered layer by layer on the device, stored into
+the host tier once the forward is done.
+
+`StepCapture` holds the planned rows of one forward's batch for every layer in
+one device buffer `[2, num_layers, n, kv_heads, head_dim]` (K then V), the
+row layout of a host slot. `take(layer, key, value)` gathers a layer's rows
+into it (two `index_select`s, no allocation, no synchronization); the attention
+hook calls it once per layer.
+
+`CaptureWriter.write(capture, rope)` rotates the keys to their virtual
+positions and stores the buffer at the capture's host rows:
+
+* CUDA, pool page-locked, libcudart found: asynchronously. A side stream waits
+  for the forward, then one pitched device->host copy per run of consecutive
+  rows inside one slot lands every layer's K and V of those rows straight in
+  the pool (`2 * num_layers` rows of `run * kv_heads * head_dim` elements,
+  `block_tokens * kv_heads * head_dim` apart). The calling thread never waits:
+  a decode step no longer pays a device synchronization and a host-side copy.
+  `settle()` waits for the copies; it must be called before anything reads or
+  rewrites those host rows (the worker calls it first thing in the next step,
+  and at shutdown), and it costs nothing once the copies are done.
+* Elsewhere: synchronously, through a host copy of the buffer
+  (`HostPool.write_rows_all_layers`).
+
+A capture that did not see every layer is never written: `write` returns
+False and the caller fails its slots (never store a partial block).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_sekv.ops import rotate_keys
+from vllm_sekv.store import cudart
+from vllm_sekv.store.host_pool import HostPool
+
+
+def row_runs(host_rows: np.ndarray, block_tokens: int) -> list[tuple[int, int, int]]:
+    """Runs `(index of the first row, first host row, length)` of consecutive
+    rows in `host_rows` that stay inside one slot."""
+    rows = np.asarray(host_rows, dtype=np.int64)
+    if not len(rows):
+        return []
+    breaks = (np.diff(rows) != 1) | (rows[1:] % block_tokens == 0)
+    starts = np.concatenate([[0], np.flatnonzero(breaks) + 1])
+    lengths = np.diff(np.concatenate([starts, [len(rows)]]))
+    return list(zip(starts.tolist(), rows[starts].tolist(), lengths.tolist()))
+
+
+class StepCapture:
+    """One forward's planned rows, captured from every layer."""
+
+    def __init__(self, batch_rows: torch.Tensor, host_rows: np.ndarray, deltas: torch.Tensor | None,
+                 num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """`batch_rows [n]` (on the forward's device): rows of the batch to keep;
+        `host_rows [n]`: where they go; `deltas [n]` (same device, or None):
+        virtual position minus computed position of each row's key."""
+        self.batch_rows = batch_rows
+        self.host_rows = host_rows
+        self.deltas = deltas
+        self.kv = torch.empty((2, num_layers, len(host_rows), kv_heads, head_dim), dtype=dtype,
+                              device=batch_rows.device)
+        self._missing = set(range(num_layers))
+
+    def take(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep layer `layer`'s planned rows of `key`/`value` `[tokens, kv_heads, head_dim]`."""
+        for i, src in enumerate((key, value)):
+            dst = self.kv[i, layer]
+            if src.dtype == dst.dtype:
+                torch.index_select(src, 0, self.batch_rows, out=dst)
+            else:
+                dst.copy_(src.index_select(0, self.batch_rows))
+        self._missing.discard(layer)
+
+    @property
+    def complete(self) -> bool:
+        return not self._missing
+
+
+class CaptureWriter:
+    """Stores `StepCapture`s into a host pool (asynchronously on CUDA)."""
+
+    def __init__(self, pool: HostPool, device: torch.device) -> None:
+        self.pool = pool
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda" and cudart.available() and cudart.is_page_locked(pool.data):
+            self.stream = torch.cuda.Stream(device)
+        self._pending: list[tuple[torch.cuda.Event, StepCapture]] = []
+
+    def write(self, capture: StepCapture, rope) -> bool:
+        """Store `capture` at its host rows, keys rotated by its deltas. False
+        (nothing written) if it missed a layer."""
+        if not capture.complete:
+            return False
+        kv = capture.kv
+        if capture.deltas is not None:
+            keys = kv[0]  # [L, n, H, D]
+            layers, n, heads, dim = keys.shape
+            flat = keys.transpose(0, 1).reshape(n, layers * heads, dim)
+            keys.copy_(rotate_keys(flat, capture.deltas, rope).reshape(n, layers, heads, dim).transpose(0, 1))
+        if self.stream is None:
+            self.pool.write_rows_all_layers(torch.from_numpy(capture.host_rows), kv.cpu())
+            return True
+        self.stream.wait_stream(torch.cuda.current_stream(kv.device))
+        data = self.pool.data  # [slots, 2, L, bt, H, D]
+        bt = self.pool.block_tokens
+        row_bytes = kv[0, 0, 0].numel() * kv.element_size()
+        slot_bytes, n = data[0].numel() * data.element_size(), kv.shape[2]
+        base = data.data_ptr()
+        for begin, host_row, length in row_runs(capture.host_rows, bt):
+            slot, offset = divmod(host_row, bt)
+            # rows (kv, layer) of the slot are bt * row_bytes apart, as in the buffer n * row_bytes apart
+            cudart.copy2d_async(base + slot * slot_bytes + offset * row_bytes, bt * row_bytes,
+                                kv.data_ptr() + begin * row_bytes, n * row_bytes,
+                                length * row_bytes, 2 * kv.shape[1], self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self._pending.append((done, capture))  # keeps the buffer alive until the copy is done
+        return True
+
+    def settle(self) -> None:
+        """Wait until every written capture is in the pool."""
+        for done, _ in self._pending:
+            done.synchronize()
+        self._pending.clear()
