@@ -26,8 +26,12 @@ TARGETS = [
     ("llm.output_processing", "vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
     ("scheduler.schedule", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
     ("scheduler.update_from_output", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
-    ("worker.execute_model", "vllm.v1.worker.gpu_worker", "Worker", "execute_model"),
-    ("worker.sample_tokens", "vllm.v1.worker.gpu_worker", "Worker", "sample_tokens"),
+    ("runner.execute_model", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
+    ("runner.sample_tokens", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"),
+    ("runner.execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("runner.sample_tokens", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("connector.pre_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "pre_forward"),
+    ("connector.post_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "post_forward"),
     ("sekv.sched.get_num_new_matched_tokens", "vllm_sekv.connector.scheduler", "SekvSchedulerSide",
      "get_num_new_matched_tokens"),
     ("sekv.sched.update_state_after_alloc", "vllm_sekv.connector.scheduler", "SekvSchedulerSide",
@@ -65,12 +69,14 @@ def _timed(label: str, fn):
 
 
 def install() -> list[str]:
-    """Wrap every target found; returns the labels wrapped."""
+    """Wrap every target found; returns the labels wrapped (and prints why
+    the others were not)."""
     done = []
     for label, module, cls_name, method in TARGETS:
         try:
             cls = getattr(importlib.import_module(module), cls_name)
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError) as e:
+            print(f"host timers: no {module}.{cls_name} ({type(e).__name__}: {e})", flush=True)
             continue
         fn = cls.__dict__.get(method)
         if fn is None or getattr(fn, "__wrapped__", None) is not None:

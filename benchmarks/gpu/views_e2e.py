@@ -47,11 +47,14 @@ GIB = 1 << 30
 
 class Session:
     """One engine driven step by step (`LLMEngine.step`), so that the first
-    token and every later token are timed where they appear."""
+    token and every later token are timed where they appear. With `timers`
+    (the `host_timers` module, installed) a decode's result also holds the
+    host time per token between its first and its last token."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, timers=None) -> None:
         self.engine = llm.llm_engine
         self.count = 0
+        self.timers = timers
 
     def run(self, ids: list[int], max_tokens: int, extra: dict | None = None) -> dict:
         from vllm import SamplingParams
@@ -65,22 +68,28 @@ class Session:
         first = last = None
         tokens = 0
         out = None
+        at_first = at_last = None
         while True:
             for o in self.engine.step():  # one request in flight: every output is its own
                 now = time.perf_counter()
                 n = len(o.outputs[0].token_ids)
                 if n and first is None:
                     first = now
+                    at_first = self.timers.snapshot() if self.timers else None
                 if n > tokens:
                     tokens, last = n, now
+                    at_last = self.timers.snapshot() if self.timers and n > 1 else None
                 if o.finished:
                     out = o
             if out is not None:
                 break
         decode = (last - first) / (tokens - 1) if tokens > 1 else None
-        return {"ttft_s": first - t0, "total_s": time.perf_counter() - t0, "tokens": tokens,
-                "decode_s_per_token": decode, "num_cached_tokens": out.num_cached_tokens,
-                "kv_transfer_params": out.kv_transfer_params}
+        result = {"ttft_s": first - t0, "total_s": time.perf_counter() - t0, "tokens": tokens,
+                  "decode_s_per_token": decode, "num_cached_tokens": out.num_cached_tokens,
+                  "kv_transfer_params": out.kv_transfer_params}
+        if at_first is not None and at_last is not None:
+            result["decode_timers"] = self.timers.diff(at_first, at_last, per=tokens - 1)
+        return result
 
 
 def profiled(step) -> str:
@@ -136,10 +145,11 @@ def timed(run, steps_of=lambda result: 1) -> tuple[dict, dict]:
 
 
 def engine_main(spec: dict) -> None:
+    timers = None
     if spec.get("timers"):
-        import host_timers
+        import host_timers as timers
 
-        print(f"host timers on: {host_timers.install()}", flush=True)
+        print(f"host timers on: {timers.install()}", flush=True)
     rng = random.Random("views-e2e")
     vocab = spec["vocab"]
     history = [rng.randrange(1000, vocab) for _ in range(max(spec["sizes"]))]
@@ -150,7 +160,7 @@ def engine_main(spec: dict) -> None:
     t0 = time.perf_counter()
     llm = make_llm(spec)
     print(f"[{spec['engine']}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
-    session = Session(llm)
+    session = Session(llm, timers)
     rows: list[dict] = []
     if spec["engine"] == "sekv":
         extra = {"session_id": "agent", "view_tokens": spec["view_tokens"]}
@@ -164,7 +174,7 @@ def engine_main(spec: dict) -> None:
                 row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
                 if spec.get("timers"):
                     _, row["step_timers"] = timed(lambda: session.run(history[:size] + question(), 1, extra))
-                    row["decode_timers"] = decode_timers(session, history[:size] + question(), spec, extra)
+                    row["decode_timers"] = row["decode"]["decode_timers"]
                 if spec["profile"]:
                     row["profile"] = profiled(lambda: session.run(history[:size] + question(), 1, extra))
                     row["decode_profile"] = profiled(
@@ -182,28 +192,10 @@ def engine_main(spec: dict) -> None:
                      "decode": decode, "memory": gpu_memory()})
         if spec.get("timers"):
             _, rows[-1]["step_timers"] = timed(lambda: session.run(context + question(), 1))
-            rows[-1]["decode_timers"] = decode_timers(session, context + question(), spec)
+            rows[-1]["decode_timers"] = decode["decode_timers"]
         print(f"[{spec['engine']}] cold {cold['ttft_s']:.3f} s, warm {rows[-1]['warm_ttft_s']:.3f} s, "
               f"decode {decode['decode_s_per_token'] * 1e3:.2f} ms/token, {rows[-1]['memory']}", flush=True)
     Path(spec["out"]).write_text(json.dumps(rows))
-
-
-def decode_timers(session: "Session", ids: list[int], spec: dict, extra: dict | None = None) -> dict:
-    """Host time per decode token: a long decode minus a one-token step."""
-    import host_timers
-
-    one = host_timers.snapshot()
-    session.run(ids, 1, extra)
-    two = host_timers.snapshot()
-    session.run(ids, spec["decode_tokens"] + 1, extra)
-    three = host_timers.snapshot()
-    first, whole = host_timers.diff(one, two), host_timers.diff(two, three)
-    out = {}
-    for label, t in whole.items():
-        f = first.get(label, {"calls": 0, "ms": 0.0})
-        out[label] = {"calls": (t["calls"] - f["calls"]) / spec["decode_tokens"],
-                      "ms": (t["ms"] - f["ms"]) / spec["decode_tokens"]}
-    return out
 
 
 def run_engine(spec: dict, workdir: Path) -> list[dict]:

@@ -7,6 +7,8 @@ import numpy
 import torch
 
 from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
+from vllm_sekv.triton_kernels.rope import reference as rope_reference
+from vllm_sekv.triton_kernels.rope import rotate as rope_rotate
 from vllm_sekv.triton_kernels.rope import scatter_reference
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
 from vllm_sekv.triton_kernels.coarse import kernel as coarse_kernel
@@ -45,6 +47,24 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
            slots, deltas, rope, src_rows)
     torch.testing.assert_close(kv_tri, kv_ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(kv_tri2, kv_ref, rtol=1e-3, atol=1e-3)
+# The rotation kernel: bit-identical to the reference (float32, no fused multiply-adds).
+for neox, rotary_dim, head_dim, dtype in [(True, 64, 64, torch.float16), (False, 32, 32, torch.float32),
+                                          (True, 48, 96, torch.float16)]:
+    inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    rope = RopeSpec(inv, rotary_dim, neox)
+    keys = torch.randn(3, 21, 5, head_dim).to(dtype)  # [layers, tokens, heads, head_dim]
+    deltas = torch.randint(-300000, 300000, (21,))
+    for view in (keys[1], keys[:, 3:].transpose(1, 2).contiguous().transpose(1, 2)):  # 3-D; strided 4-D
+        got = rope_rotate.rotate_keys(view, deltas[-view.shape[-3]:], rope)
+        flat = view if view.dim() == 3 else view.transpose(0, 1).reshape(view.shape[1], -1, head_dim)
+        want = rope_reference.rotate_keys(flat, deltas[-view.shape[-3]:], rope)
+        if view.dim() == 4:
+            want = want.reshape(view.shape[1], view.shape[0], *view.shape[2:]).transpose(0, 1)
+        assert torch.equal(got, want), (got - want).abs().max()
+    in_place = keys.clone()
+    assert rope_rotate.rotate_keys(in_place, deltas, rope, out=in_place) is in_place
+    assert torch.equal(in_place, rope_rotate.rotate_keys(keys, deltas, rope))
+
 fused_coarse = coarse_kernel.CoarseConfig(16, 16, 4, 1, num_splits=1)
 split_coarse = coarse_kernel.CoarseConfig(16, 16, 4, 1, num_splits=3)
 for tokens, q_heads, kv_heads, summaries, head_dim in [(37, 6, 2, 45, 24), (1, 4, 4, 17, 64)]:

@@ -2,7 +2,10 @@
 references of `vllm_sekv.triton_kernels` elsewhere. Callers never pick an
 implementation themselves.
 
-* `rotate_keys(keys, delta_positions, rope)`: pure rotation (reference only).
+* `rotate_keys(keys, delta_positions, rope)`: pure rotation (bit-identical to
+  the reference on CUDA, one launch; see `triton_kernels/rope/rotate.py`).
+* `rotate_layer_keys_(keys, delta_positions, rope)`: the same rotation of
+  `[layers, tokens, heads, head_dim]` keys, in place.
 * `score_blocks(queries, index, num_blocks=None, combine="max")`: Mean-K block
   relevance `R[num_blocks]` float32 (see `triton_kernels/scoring/reference.py`).
 * `score_sub_blocks(queries, entries, layer, slots, valid)`: per query head,
@@ -25,15 +28,43 @@ from typing import Sequence
 
 import torch
 
-from vllm_sekv.triton_kernels.rope.reference import RopeSpec, rotate_keys
+from vllm_sekv.triton_kernels.rope import reference as _rope_ref
+from vllm_sekv.triton_kernels.rope.reference import RopeSpec
 from vllm_sekv.triton_kernels.coarse import reference as _coarse_ref
 from vllm_sekv.triton_kernels.rope import scatter_reference as _scatter_ref
 from vllm_sekv.triton_kernels.scoring import reference as _scoring_ref
 from vllm_sekv.triton_kernels.scoring.select import select_blocks
 
 
+_ROTATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
+
+
+def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    """Keys `[tokens, heads, head_dim]` rotated by `delta_positions [tokens]`
+    (a new tensor; see `reference.rotate_keys`). Triton on CUDA, reference
+    elsewhere (bit-identical)."""
+    if _use_triton(keys) and keys.dtype in _ROTATE_DTYPES:
+        from vllm_sekv.triton_kernels.rope import rotate
+
+        return rotate.rotate_keys(keys if keys.stride(-1) == 1 else keys.contiguous(), delta_positions, rope)
+    return _rope_ref.rotate_keys(keys, delta_positions, rope)
+
+
+def rotate_layer_keys_(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec) -> None:
+    """Rotate `keys [layers, tokens, heads, head_dim]` by `delta_positions
+    [tokens]` in place (every layer by the same deltas)."""
+    if _use_triton(keys) and keys.dtype in _ROTATE_DTYPES and keys.stride(-1) == 1:
+        from vllm_sekv.triton_kernels.rope import rotate
+
+        rotate.rotate_keys(keys, delta_positions, rope, out=keys)
+        return
+    layers, tokens, heads, dim = keys.shape
+    flat = keys.transpose(0, 1).reshape(tokens, layers * heads, dim)
+    keys.copy_(_rope_ref.rotate_keys(flat, delta_positions, rope).reshape(tokens, layers, heads, dim).transpose(0, 1))
 
 
 def score_blocks(queries: torch.Tensor, index: torch.Tensor, num_blocks: int | None = None,
@@ -79,5 +110,5 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
     return _coarse_ref.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
 
 
-__all__ = ["RopeSpec", "rotate_keys", "score_blocks", "score_sub_blocks", "select_blocks", "scatter_rerope",
+__all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_blocks", "score_sub_blocks", "select_blocks", "scatter_rerope",
            "coarse_merge"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_sekv.ops import rotate_keys
+from vllm_sekv.ops import rotate_layer_keys_
 from vllm_sekv.store import cudart
 from vllm_sekv.store.host_pool import HostPool
 
@@ -60,16 +60,17 @@ class StepCapture:
         self.deltas = deltas
         self.kv = torch.empty((2, num_layers, len(host_rows), kv_heads, head_dim), dtype=dtype,
                               device=batch_rows.device)
+        self._keys, self._values = self.kv[0].unbind(0), self.kv[1].unbind(0)  # per-layer views, made once
         self._missing = set(range(num_layers))
 
     def take(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep layer `layer`'s planned rows of `key`/`value` `[tokens, kv_heads, head_dim]`."""
-        for i, src in enumerate((key, value)):
-            dst = self.kv[i, layer]
+        rows = self.batch_rows
+        for src, dst in ((key, self._keys[layer]), (value, self._values[layer])):
             if src.dtype == dst.dtype:
-                torch.index_select(src, 0, self.batch_rows, out=dst)
+                torch.index_select(src, 0, rows, out=dst)
             else:
-                dst.copy_(src.index_select(0, self.batch_rows))
+                dst.copy_(src.index_select(0, rows))
         self._missing.discard(layer)
 
     @property
@@ -94,10 +95,7 @@ class CaptureWriter:
             return False
         kv = capture.kv
         if capture.deltas is not None:
-            keys = kv[0]  # [L, n, H, D]
-            layers, n, heads, dim = keys.shape
-            flat = keys.transpose(0, 1).reshape(n, layers * heads, dim)
-            keys.copy_(rotate_keys(flat, capture.deltas, rope).reshape(n, layers, heads, dim).transpose(0, 1))
+            rotate_layer_keys_(kv[0], capture.deltas, rope)
         if self.stream is None:
             self.pool.write_rows_all_layers(torch.from_numpy(capture.host_rows), kv.cpu())
             return True

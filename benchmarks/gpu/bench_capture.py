@@ -1,0 +1,94 @@
+"""Host time of capturing one decode step's K/V (the per-layer work the
+attention hook adds to every decode step), on the GPU machine.
+
+    python benchmarks/gpu/bench_capture.py --out $OUT/bench_capture
+
+Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16). K/V of each
+layer are strided views into a fused qkv buffer, as vLLM hands them over. Per
+simulated step (median of `--steps`, host time, the GPU kept busy enough that
+the host never waits for it except where the path itself synchronizes):
+
+* `sync`: reading the step's slot mapping on the host (`slot_mapping.cpu()`,
+  what `_begin_forward` does once per step);
+* `rows`: the capture's row tensors moved to the device (`to_device`, twice);
+* `take`: `StepCapture.take` for every layer (two `index_select`s each);
+* `write`: `CaptureWriter.write` (rotation by the view's delta, pitched
+  device->host copies into the pinned pool, asynchronous);
+* `settle`: the next step's wait for those copies.
+
+Writes OUT.json and OUT.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_sekv.ops import RopeSpec
+from vllm_sekv.store import HostPool
+from vllm_sekv.store.capture import CaptureWriter, StepCapture
+from vllm_sekv.store.host_pool import to_device
+
+LAYERS, HQ, H, D = 32, 32, 8, 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=1, help="batch rows per step (decode: 1)")
+    ap.add_argument("--out", default="benchmarks/results/gpu/bench_capture")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    rope = RopeSpec(inv, D, True)
+    pool = HostPool(64, LAYERS, 32, H, D, torch.bfloat16, pin_memory=True)
+    writer = CaptureWriter(pool, dev)
+    qkv = [torch.randn(args.tokens, (HQ + 2 * H) * D, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    keys = [t[:, HQ * D:(HQ + H) * D].view(-1, H, D) for t in qkv]
+    values = [t[:, (HQ + H) * D:].view(-1, H, D) for t in qkv]
+    slot_mapping = torch.arange(args.tokens, device=dev) + 1000
+    busy = torch.randn(4096, 4096, device=dev)
+    parts: dict[str, list[float]] = {k: [] for k in ("sync", "rows", "take", "write", "settle", "total")}
+    for step in range(args.steps + 10):
+        busy @ busy  # the GPU is busy with the forward's earlier work
+        t0 = time.perf_counter()
+        writer.settle()
+        t1 = time.perf_counter()
+        mapping = slot_mapping.cpu().numpy()
+        t2 = time.perf_counter()
+        rows = to_device(np.argsort(mapping), dev)
+        deltas = to_device(np.full(args.tokens, 12345, dtype=np.int64), dev)
+        host_rows = (np.arange(args.tokens) + step * args.tokens) % (64 * 32)
+        cap = StepCapture(rows, host_rows, deltas, LAYERS, H, D, torch.bfloat16)
+        t3 = time.perf_counter()
+        for layer in range(LAYERS):
+            cap.take(layer, keys[layer], values[layer])
+        t4 = time.perf_counter()
+        assert writer.write(cap, rope)
+        t5 = time.perf_counter()
+        if step >= 10:
+            for k, v in (("settle", t1 - t0), ("sync", t2 - t1), ("rows", t3 - t2), ("take", t4 - t3),
+                         ("write", t5 - t4), ("total", t5 - t0)):
+                parts[k].append(v * 1e6)
+        torch.cuda.synchronize()
+    writer.settle()
+    result = {k: statistics.median(v) for k, v in parts.items()}
+    result["take_per_layer_us"] = result["take"] / LAYERS
+    lines = [f"# Capture host time per step ({args.tokens} tokens, {LAYERS} layers; median of {args.steps})", "",
+             "    python benchmarks/gpu/bench_capture.py " + f"--steps {args.steps} --tokens {args.tokens}", "",
+             "| part | us |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in result.items()]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"us": result, "runs_us": parts}, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
