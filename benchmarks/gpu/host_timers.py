@@ -13,6 +13,7 @@ Overhead: about a microsecond per call.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import time
 
@@ -30,6 +31,7 @@ TARGETS = [
     ("runner.sample_tokens", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"),
     ("runner.execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
     ("runner.sample_tokens", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("attention.layer", "vllm.model_executor.layers.attention.attention", "Attention", "forward"),
     ("connector.pre_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "pre_forward"),
     ("connector.post_forward", "vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "post_forward"),
     ("sekv.sched.get_num_new_matched_tokens", "vllm_sekv.connector.scheduler", "SekvSchedulerSide",
@@ -51,6 +53,17 @@ TARGETS = [
 ]
 
 _SUMS: dict[str, list[float]] = {}  # label -> [calls, seconds]
+_GC_STARTED = [0.0]
+
+
+def _gc_callback(phase: str, info: dict) -> None:
+    """Python's garbage collector, timed like a method ("python.gc")."""
+    if phase == "start":
+        _GC_STARTED[0] = time.perf_counter()
+    else:
+        entry = _SUMS.setdefault("python.gc", [0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - _GC_STARTED[0]
 
 
 def _timed(label: str, fn):
@@ -58,6 +71,7 @@ def _timed(label: str, fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -79,10 +93,15 @@ def install() -> list[str]:
             print(f"host timers: no {module}.{cls_name} ({type(e).__name__}: {e})", flush=True)
             continue
         fn = cls.__dict__.get(method)
-        if fn is None or getattr(fn, "__wrapped__", None) is not None:
+        if fn is None or getattr(fn, "_host_timer", False):
             continue
-        setattr(cls, method, _timed(label, fn))
+        timed = _timed(label, fn)
+        timed._host_timer = True
+        setattr(cls, method, timed)
         done.append(label)
+    if _gc_callback not in gc.callbacks:
+        gc.callbacks.append(_gc_callback)
+        done.append("python.gc")
     return done
 
 
