@@ -1,14 +1,6 @@
 """The scheduler hook: vLLM's `Scheduler`, extended to serve execution views.
 
-Selected by the sekv connector flag alone (`compat.install_scheduler_default`):
-`SekvScheduler` when vLLM schedules synchronously, `SekvAsyncScheduler` (the
-same hooks over vLLM's `AsyncScheduler`) when it schedules a step while the
-last one runs. The hooks hold in both modes: a pass that must not sample is
-never scheduled past its end (its cap is 0 once its tokens are scheduled), so
-it is not in flight when `update_from_output` takes it out; the connector's
-plans use the positions vLLM schedules, and commit a captured block only
-once the worker confirms the step that wrote it (one step later under async
-scheduling, with the block's token ids known by then).
+Selected by the sekv connector flag alone (`compat.install_scheduler_default`).
 Everything view-specific is decided by the connector's `ViewCoordinator`;
 this class only places the three calls vLLM's scheduler offers no hook for:
 
@@ -26,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_sekv import compat
@@ -57,7 +48,3 @@ class SekvScheduler(compat.prefill_cap_mixin(), Scheduler):
                 compat.restart_request(self, request)
                 self.connector.view_pass_done(request)
         return outputs
-
-
-class SekvAsyncScheduler(SekvScheduler, AsyncScheduler):
-    """`SekvScheduler` over vLLM's `AsyncScheduler` (asynchronous scheduling)."""
