@@ -4,12 +4,14 @@ attention hook adds to every decode step), on the GPU machine.
     python benchmarks/gpu/bench_capture.py --out $OUT/bench_capture
 
 Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16). K/V of each
-layer are strided views into a fused qkv buffer, as vLLM hands them over. Per
-simulated step (median of `--steps`, host time, the GPU kept busy enough that
-the host never waits for it except where the path itself synchronizes):
+layer are strided views into a fused qkv buffer, as vLLM hands them over. Each
+simulated step first queues a 4096x4096 matmul (the forward's earlier work),
+then times, on the host (median of `--steps`):
 
 * `sync`: reading the step's slot mapping on the host (`slot_mapping.cpu()`,
-  what `_begin_forward` does once per step);
+  what `_begin_forward` does once per step). It waits for the queued matmul:
+  this is the read's cost when the GPU is behind, not its cost in a decode
+  step, where the GPU is idle at that point;
 * `rows`: the capture's row tensors moved to the device (`to_device`, twice);
 * `take`: `StepCapture.take` for every layer (two `index_select`s each);
 * `write`: `CaptureWriter.write` (rotation by the view's delta, pitched
