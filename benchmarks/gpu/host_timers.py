@@ -57,11 +57,12 @@ _GC_STARTED = [0.0]
 
 
 def _gc_callback(phase: str, info: dict) -> None:
-    """Python's garbage collector, timed like a method ("python.gc")."""
+    """Python's garbage collector, timed like a method, per generation
+    collected ("python.gc.gen0" ... "python.gc.gen2")."""
     if phase == "start":
         _GC_STARTED[0] = time.perf_counter()
     else:
-        entry = _SUMS.setdefault("python.gc", [0, 0.0])
+        entry = _SUMS.setdefault(f"python.gc.gen{info.get('generation', '?')}", [0, 0.0])
         entry[0] += 1
         entry[1] += time.perf_counter() - _GC_STARTED[0]
 

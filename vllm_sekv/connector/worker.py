@@ -2,9 +2,11 @@
 restores KV into vLLM's paged cache and captures new K/V out of the forward.
 
 Runs in each worker process, on the forward thread, in this order per step:
-  `start_load_kv`  index the blocks committed since the last probe, in one
-                   batch before the next one (a GPU index, on CUDA: every
-                   step); restore planned rows through the
+  `bind`           (before the forward) wait for the last step's captures to
+                   land in the host pool; index the blocks committed since the
+                   last probe, in one batch before the next one (a GPU index,
+                   on CUDA: every step);
+  `start_load_kv`  restore planned rows through the
                    platform's own cache-update op, keys re-RoPE'd to the view's
                    positions where the plan says so. On CPU blocking, before
                    the forward. On CUDA enqueued on a copy stream: either
@@ -202,7 +204,10 @@ class SekvWorkerSide:
             self.capture_writer.settle()  # the last step's captures are in the pool before anything reads it
         plan = self._plan = metadata.plan
         self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = None
-        self.attention_hooks = False  # until `start_load_kv` knows the step needs them
+        # Set here, not in `start_load_kv`: vLLM 0.32 starts the loads of a step
+        # without synchronous ones after its forward (a layerwise restore, which
+        # always runs before the forward, turns the hooks on there).
+        self.attention_hooks = bool(plan.scores or plan.coarse)
         self._restored_keys = {}
         if self.coarse is not None:
             self.coarse.finish(plan.coarse_finished)
@@ -222,15 +227,15 @@ class SekvWorkerSide:
                 self.records.submit_write(slot, block_hash, start_token, plan.nvme_write_surprisal.get(slot))
             for block_hash, slot, start_token in plan.nvme_reads:
                 self.records.submit_read(block_hash, slot, start_token)
+        if self.pool is not None:
+            self._update_index(plan)
 
-    def start_load_kv(self, forward_context: Any) -> None:
-        plan = self._plan
-        if plan is None or self.pool is None:
-            return
+    def _update_index(self, plan: StepPlan) -> None:
+        """Index the blocks committed since the last probe, before this step's
+        forward (its probes score with them). On the CPU only when a probe
+        needs them (restores stay lean); a GPU index takes each block as it is
+        committed, so that no probe pays for a long history at once."""
         self._index_pending.update(plan.index_blocks)
-        # On the CPU blocks are indexed only when a probe needs them (restores
-        # stay lean); a GPU index takes each block as it is committed, so that
-        # no probe pays for a long history at once.
         if self._index_pending and (plan.scores or self.index.device.type == "cuda"):
             latest, self._index_pending = self._index_pending, {}
             surprisal = None
@@ -238,6 +243,11 @@ class SekvWorkerSide:
                 nan = np.full(self.config.block_tokens, np.nan, dtype=np.float32)
                 surprisal = torch.from_numpy(np.stack([self._index_surprisal.pop(s, nan) for s in latest]))
             self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        plan = self._plan
+        if plan is None or self.pool is None:
+            return
         exact = [op for op in plan.restores if not op.lowrank]
         if self.pipeline is not None and exact:
             self._restore_cuda(forward_context, exact)
@@ -261,7 +271,8 @@ class SekvWorkerSide:
                 self.stats.add("views", 1)
         if self.coarse is not None:
             self._begin_coarse(plan)
-        self.attention_hooks = bool(plan.scores or plan.coarse or self._layerwise is not None)
+        if self._layerwise is not None:
+            self.attention_hooks = True  # its safety net: `wait_for_layer_load` before each attention
 
     def _begin_coarse(self, plan: StepPlan) -> None:
         """Build the summaries of views starting in this step (all layers,
