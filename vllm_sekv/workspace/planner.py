@@ -193,10 +193,15 @@ class WorkspacePlanner:
             st.pending_restore.lowrank = {
                 st.matched[b].host_slot: block for b, block in st.view_lowrank.items() if b in held}
         st.restored_tokens = num_external_tokens
-        used_slots = set((host_rows // bt).tolist())
+        # Per block, not per row: a block's rows follow each other, so the slot
+        # changes only where a block starts.
+        slot_of_row = host_rows // bt
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(slot_of_row)) + 1])
+        run_slots, run_rows = slot_of_row[starts], np.diff(np.append(starts, len(slot_of_row)))
+        used_slots = set(run_slots.tolist())
         used = [rec for rec in st.matched if rec.host_slot in used_slots]
         promoted = [rec.host_slot for rec in used if rec.block_hash in st.promoted]
-        st.nvme_read_tokens = int(np.isin(host_rows // bt, promoted).sum())
+        st.nvme_read_tokens = int(run_rows[np.isin(run_slots, promoted)].sum())
         self.catalog.pin(used)
         self.catalog.touch(used)
         st.restore_pins[-1] = used  # re-keyed to the step that carries the restore
