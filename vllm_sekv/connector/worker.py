@@ -82,6 +82,29 @@ LAYERWISE_MIN_RUN_BLOCKS = 8
 ROUTER_SUMMARY = "wmean_pre"
 
 
+def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
+                block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A restore op as whole host slots: (the slot of each run of the op's
+    rows that stay in one slot, in the op's order; the paged slot of each of
+    their tokens, -1 for tokens the op does not restore, which the
+    cache-update op skips; the RoPE delta of each token). One pass, no sort:
+    a block's rows follow each other, so a run ends where the slot changes."""
+    bt = block_tokens
+    slot_of_row = host_rows // bt
+    starts = np.flatnonzero(np.diff(slot_of_row)) + 1
+    run_of_row = np.zeros(len(host_rows), dtype=np.int64)
+    run_of_row[starts] = 1
+    np.cumsum(run_of_row, out=run_of_row)
+    slots = slot_of_row[np.concatenate([[0], starts])] if len(host_rows) else slot_of_row
+    where = run_of_row * bt + host_rows % bt
+    mapping = np.full(len(slots) * bt, -1, dtype=np.int64)
+    mapping[where] = paged_slots
+    deltas = np.zeros(len(slots) * bt, dtype=np.int64)
+    if rope_deltas is not None:
+        deltas[where] = rope_deltas
+    return slots, mapping, deltas
+
+
 class SekvWorkerSide:
     def __init__(self, config: SekvConfig, vllm_config: Any) -> None:
         self.config = config
@@ -389,24 +412,6 @@ class SekvWorkerSide:
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
 
-    def _slot_layout(self, op: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A restore op as whole host slots: (slots in the op's order, paged
-        slot of each of their tokens, -1 for tokens the op does not restore,
-        which the cache-update op skips; RoPE delta of each token)."""
-        bt = self.config.block_tokens
-        slot_of_row = op.host_rows // bt
-        uniq, firsts, inverse = np.unique(slot_of_row, return_index=True, return_inverse=True)
-        order = np.argsort(firsts, kind="stable")  # blocks in the op's order
-        rank = np.empty_like(order)
-        rank[order] = np.arange(len(order))
-        where = rank[inverse] * bt + op.host_rows % bt
-        mapping = np.full(len(uniq) * bt, -1, dtype=np.int64)
-        mapping[where] = op.paged_slots
-        deltas = np.zeros(len(uniq) * bt, dtype=np.int64)
-        if op.rope_deltas is not None:
-            deltas[where] = op.rope_deltas
-        return uniq[order], mapping, deltas
-
     def _restore_cuda(self, forward_context: Any, ops: list) -> None:
         """Enqueue a step's restores from the pinned pool, keys re-RoPE'd on the
         device, written by the platform's own cache-update op. Layerwise
@@ -414,7 +419,7 @@ class SekvWorkerSide:
         l) or batched (`RestorePipeline`: whole slots, every layer written
         before the forward), per `restore_mode`. Timed with CUDA events, read
         after the forward (`build_worker_meta`)."""
-        layouts = [self._slot_layout(op) for op in ops]
+        layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, self.config.block_tokens) for op in ops]
         host_slots = np.concatenate([slots for slots, _, _ in layouts])
         rerope = any(op.rope_deltas is not None for op in ops)
         mode = self.config.restore_mode
