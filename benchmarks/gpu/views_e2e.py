@@ -134,14 +134,14 @@ def make_llm(spec: dict):
                **kwargs)
 
 
-def timed(run, steps_of=lambda result: 1) -> tuple[dict, dict]:
-    """`run()`'s result, and the host time its steps spent in the methods
-    `host_timers` watches, per step (`steps_of(result)` steps)."""
+def timed(run) -> tuple[dict, dict]:
+    """`run()`'s result, and the host time it spent in the methods
+    `host_timers` watches."""
     import host_timers
 
     before = host_timers.snapshot()
     result = run()
-    return result, host_timers.diff(before, host_timers.snapshot(), per=max(1, steps_of(result)))
+    return result, host_timers.diff(before, host_timers.snapshot())
 
 
 def engine_main(spec: dict) -> None:
