@@ -67,7 +67,7 @@ from vllm_sekv.store.lowrank_tier import LowRankTier
 from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
-from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan
+from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan, slot_runs_of_rows
 from vllm_sekv.workspace.router import FULL_RANK, load_router
 from vllm_sekv.workspace.summaries import combine_heads
 
@@ -87,15 +87,13 @@ def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.
     """A restore op as whole host slots: (the slot of each run of the op's
     rows that stay in one slot, in the op's order; the paged slot of each of
     their tokens, -1 for tokens the op does not restore, which the
-    cache-update op skips; the RoPE delta of each token). One pass, no sort:
-    a block's rows follow each other, so a run ends where the slot changes."""
+    cache-update op skips; the RoPE delta of each token), from the op's runs
+    of rows in one slot (`slot_runs_of_rows`)."""
     bt = block_tokens
-    slot_of_row = host_rows // bt
-    starts = np.flatnonzero(np.diff(slot_of_row)) + 1
+    starts, slots = slot_runs_of_rows(host_rows, bt)
     run_of_row = np.zeros(len(host_rows), dtype=np.int64)
-    run_of_row[starts] = 1
+    run_of_row[starts[1:]] = 1
     np.cumsum(run_of_row, out=run_of_row)
-    slots = slot_of_row[np.concatenate([[0], starts])] if len(host_rows) else slot_of_row
     where = run_of_row * bt + host_rows % bt
     mapping = np.full(len(slots) * bt, -1, dtype=np.int64)
     mapping[where] = paged_slots

@@ -40,7 +40,7 @@ from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import PrefixHashMemo, extend_block_hashes
 from vllm_sekv.workspace.coarse import CoarsePlan
 from vllm_sekv.workspace.plan import (
-    CoarseOp, CoarseSummaries, LowRankBlock, RestoreOp, ScoreOp, StepPlan, SurprisalOp,
+    CoarseOp, CoarseSummaries, LowRankBlock, RestoreOp, ScoreOp, StepPlan, SurprisalOp, slot_runs_of_rows,
 )
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.views import PassKind, ViewPass
@@ -193,11 +193,8 @@ class WorkspacePlanner:
             st.pending_restore.lowrank = {
                 st.matched[b].host_slot: block for b, block in st.view_lowrank.items() if b in held}
         st.restored_tokens = num_external_tokens
-        # Per block, not per row: a block's rows follow each other, so the slot
-        # changes only where a block starts.
-        slot_of_row = host_rows // bt
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(slot_of_row)) + 1])
-        run_slots, run_rows = slot_of_row[starts], np.diff(np.append(starts, len(slot_of_row)))
+        starts, run_slots = slot_runs_of_rows(host_rows, bt)  # per block, not per row
+        run_rows = np.diff(np.append(starts, len(host_rows)))
         used_slots = set(run_slots.tolist())
         used = [rec for rec in st.matched if rec.host_slot in used_slots]
         promoted = [rec.host_slot for rec in used if rec.block_hash in st.promoted]
