@@ -44,6 +44,26 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Trit
 
 
 @triton.jit
+def rope_pairs(toks, t_mask, COS, SIN, HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The rotation's pairs of dims, (i, i + HALF) (neox) or (2i, 2i + 1)
+    (interleaved), for `toks [BLOCK_T]` (valid where `t_mask`): (d1, d2
+    [BLOCK_HALF], their mask, the [BLOCK_T, BLOCK_HALF] mask, cos, sin)."""
+    ii = tl.arange(0, BLOCK_HALF)
+    i_mask = ii < HALF
+    if IS_NEOX:
+        d1 = ii
+        d2 = ii + HALF
+    else:
+        d1 = 2 * ii
+        d2 = 2 * ii + 1
+    m2 = t_mask[:, None] & i_mask[None, :]
+    cs = toks[:, None].to(tl.int64) * HALF + ii[None, :]
+    cos = tl.load(COS + cs, mask=m2, other=1.0)
+    sin = tl.load(SIN + cs, mask=m2, other=0.0)
+    return d1, d2, i_mask, m2, cos, sin
+
+
+@triton.jit
 def _scatter_rerope_kernel(
     STAGING, SRC_ROWS, SLOTS, COS, SIN, KPTRS, VPTRS,
     num_tokens, kv_heads, page_size, row_stride, half_stride, layer_stride, tok_stride,
@@ -72,19 +92,8 @@ def _scatter_rerope_kernel(
     k_tok = k_base + page * k_sp + off * k_st
     v_tok = v_base + page * v_sp + off * v_st
 
-    # Pairs (i, i + HALF) (neox) or (2i, 2i + 1) (interleaved); cos/sin loaded once per program.
-    ii = tl.arange(0, BLOCK_HALF)
-    i_mask = ii < HALF
-    if IS_NEOX:
-        d1 = ii
-        d2 = ii + HALF
-    else:
-        d1 = 2 * ii
-        d2 = 2 * ii + 1
-    m2 = t_mask[:, None] & i_mask[None, :]
-    cs = toks[:, None].to(tl.int64) * HALF + ii[None, :]
-    cos = tl.load(COS + cs, mask=m2, other=1.0)
-    sin = tl.load(SIN + cs, mask=m2, other=0.0)
+    # cos/sin loaded once per program, reused for every head.
+    d1, d2, i_mask, _, cos, sin = rope_pairs(toks, t_mask, COS, SIN, HALF, IS_NEOX, BLOCK_HALF)
     dd = tl.arange(0, BLOCK_D)
     d_mask = dd < HEAD_DIM
     for hh in tl.static_range(HEADS_PER_PROG):

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel import rope_cos_sin
+from .kernel import rope_cos_sin, rope_pairs
 from .reference import RopeSpec
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Triton's interpreter
@@ -37,18 +37,7 @@ def _rotate_kernel(
     layer = tl.program_id(2).to(tl.int64)
     t_mask = toks < num_tokens
     toks64 = toks.to(tl.int64)
-    ii = tl.arange(0, BLOCK_HALF)
-    i_mask = ii < HALF
-    if IS_NEOX:
-        d1 = ii
-        d2 = ii + HALF
-    else:
-        d1 = 2 * ii
-        d2 = 2 * ii + 1
-    m2 = t_mask[:, None] & i_mask[None, :]
-    cs = toks64[:, None] * HALF + ii[None, :]
-    cos = tl.load(COS + cs, mask=m2, other=1.0)
-    sin = tl.load(SIN + cs, mask=m2, other=0.0)
+    d1, d2, _, m2, cos, sin = rope_pairs(toks, t_mask, COS, SIN, HALF, IS_NEOX, BLOCK_HALF)
     src = X + layer * x_sl + toks64 * x_st + head * x_sh
     dst = Y + layer * y_sl + toks64 * y_st + head * y_sh
     x1 = tl.load(src[:, None] + d1[None, :], mask=m2, other=0.0).to(tl.float32)
