@@ -44,20 +44,32 @@ def test_the_connector_flag_alone_selects_the_sekv_scheduler(model_dir):
     from vllm_sekv.compat import SCHEDULER_CLS
 
     config = _engine_config(model_dir, kv_transfer_config=SEKV_FLAG)
+    assert not config.scheduler_config.async_scheduling  # the CPU build schedules synchronously
     assert config.scheduler_config.scheduler_cls == SCHEDULER_CLS
-    assert not config.scheduler_config.async_scheduling
     plain = _engine_config(model_dir)
     assert plain.scheduler_config.scheduler_cls != SCHEDULER_CLS
 
 
-def test_an_explicit_scheduler_is_left_alone_and_async_is_refused_by_name(model_dir):
-    import pytest
+def test_asynchronous_scheduling_gets_the_async_sekv_scheduler():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
 
+    from vllm_sekv.compat import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, sekv_scheduler_cls
+    from vllm_sekv.scheduler import SekvAsyncScheduler, SekvScheduler
+
+    assert sekv_scheduler_cls(True) == ASYNC_SCHEDULER_CLS and sekv_scheduler_cls(False) == SCHEDULER_CLS
+    assert issubclass(SekvAsyncScheduler, AsyncScheduler) and not issubclass(SekvScheduler, AsyncScheduler)
+    mro = SekvAsyncScheduler.__mro__
+    # the sekv hooks come before both vLLM schedulers', AsyncScheduler's before Scheduler's
+    assert mro.index(SekvScheduler) < mro.index(AsyncScheduler) < mro.index(Scheduler)
+    for hook in ("add_request", "update_from_output", "_sekv_cap"):
+        assert getattr(SekvAsyncScheduler, hook) is getattr(SekvScheduler, hook)
+
+
+def test_an_explicit_scheduler_is_left_alone(model_dir):
     other = "vllm.v1.core.sched.scheduler.Scheduler"
     config = _engine_config(model_dir, kv_transfer_config=SEKV_FLAG, scheduler_cls=other)
     assert config.scheduler_config.scheduler_cls == other
-    with pytest.raises(Exception, match="async-scheduling"):
-        _engine_config(model_dir, kv_transfer_config=SEKV_FLAG, async_scheduling=True)
 
 
 def test_the_scheduler_caps_a_pass_through_vllms_own_prefill_hook():

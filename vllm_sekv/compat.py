@@ -307,17 +307,25 @@ def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int) -> dict[str,
 
 
 SCHEDULER_CLS = "vllm_sekv.scheduler.SekvScheduler"
+ASYNC_SCHEDULER_CLS = "vllm_sekv.scheduler.SekvAsyncScheduler"
+
+
+def sekv_scheduler_cls(async_scheduling: bool) -> str:
+    """The sekv scheduler for vLLM's scheduling mode: `SekvAsyncScheduler`
+    (over vLLM's `AsyncScheduler`) when a step is scheduled while the last one
+    runs, `SekvScheduler` otherwise (the CPU build schedules synchronously)."""
+    return ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS
 
 
 def install_scheduler_default(connector_name: str) -> None:
     """Make the sekv connector flag also select the sekv scheduler.
 
-    Wraps `VllmConfig.__post_init__` (once per process): before vLLM's own
-    checks, a config whose KV connector is `connector_name` and whose scheduler
-    class is unset gets `SekvScheduler` with synchronous scheduling (it
-    subclasses `Scheduler`, not `AsyncScheduler`); an explicit request for
-    asynchronous scheduling fails naming the flag. vLLM 0.32 sets its diffusion
-    schedulers the same way. An explicit `--scheduler-cls` is left alone.
+    Wraps `VllmConfig.__post_init__` (once per process): after vLLM's own
+    checks have settled whether scheduling is asynchronous, a config whose KV
+    connector is `connector_name` and whose scheduler class was unset gets the
+    matching sekv scheduler (`sekv_scheduler_cls`). vLLM 0.32 sets its
+    diffusion schedulers the same way. An explicit `--scheduler-cls` is left
+    alone.
     """
     from vllm.config import VllmConfig
 
@@ -327,15 +335,10 @@ def install_scheduler_default(connector_name: str) -> None:
 
     def __post_init__(self: Any) -> None:
         ktc, sc = self.kv_transfer_config, self.scheduler_config
-        if ktc is not None and ktc.kv_connector == connector_name and sc.scheduler_cls is None:
-            if sc.async_scheduling:
-                raise ValueError(
-                    "sekv: the sekv scheduler is synchronous; remove --async-scheduling "
-                    "(or pass --scheduler-cls to use another scheduler without execution views)"
-                )
-            sc.scheduler_cls = SCHEDULER_CLS
-            sc.async_scheduling = False
+        ours = ktc is not None and ktc.kv_connector == connector_name and sc.scheduler_cls is None
         original(self)
+        if ours:
+            sc.scheduler_cls = sekv_scheduler_cls(bool(sc.async_scheduling))
 
     __post_init__._sekv_wrapped = True  # type: ignore[attr-defined]
     VllmConfig.__post_init__ = __post_init__
@@ -503,6 +506,15 @@ def is_known_request(scheduler: Any, request: Any) -> bool:
     """Whether the scheduler already holds a request of this id (a streaming
     session's next input arrives as a request with the same id)."""
     return request.request_id in scheduler.requests
+
+
+def finished_tokens(request: Any) -> int:
+    """How many of the request's tokens have KV computed by a step whose
+    output the scheduler has processed. Under asynchronous scheduling vLLM
+    advances `num_computed_tokens` when it schedules a step, one step before
+    that step's output comes back; both 0.26 and 0.32 count the tokens of
+    steps still running in `num_in_flight_tokens`."""
+    return request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
 
 
 def restart_request(scheduler: Any, request: Any) -> None:

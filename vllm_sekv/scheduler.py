@@ -1,6 +1,15 @@
 """The scheduler hook: vLLM's `Scheduler`, extended to serve execution views.
 
-Selected by the sekv connector flag alone (`compat.install_scheduler_default`).
+Selected by the sekv connector flag alone (`compat.install_scheduler_default`):
+`SekvScheduler` when vLLM schedules synchronously, `SekvAsyncScheduler` (the
+same hooks over vLLM's `AsyncScheduler`) when it schedules a step while the
+last one runs. The hooks hold in both modes: a pass that must not sample is
+never scheduled past its end (its cap is 0 once its tokens are scheduled),
+and it leaves the engine only once the step computing its last chunk has
+come back (`compat.finished_tokens`: under asynchronous scheduling vLLM
+counts a step's tokens as computed when it schedules them). The connector's
+plans use the positions vLLM schedules, and commit a captured block only
+once the worker confirms the step that wrote it.
 Everything view-specific is decided by the connector's `ViewCoordinator`;
 this class only places the three calls vLLM's scheduler offers no hook for:
 
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_sekv import compat
@@ -48,3 +58,7 @@ class SekvScheduler(compat.prefill_cap_mixin(), Scheduler):
                 compat.restart_request(self, request)
                 self.connector.view_pass_done(request)
         return outputs
+
+
+class SekvAsyncScheduler(SekvScheduler, AsyncScheduler):
+    """`SekvScheduler` over vLLM's `AsyncScheduler` (asynchronous scheduling)."""

@@ -19,9 +19,10 @@ Baseline, same invocation, own process: plain vLLM (no connector) with the
 same GPU memory setting and a plain context of `--view-tokens` tokens: cold
 (prefill) and warm (prefix cached) time to first token of a 64-token step, and
 decode speed at that context. Every figure is measured here; the engine runs
-in eager mode in both cases (`enforce_eager`). Engine `plain-sync` is the same
-baseline with vLLM's asynchronous scheduling off (the sekv scheduler is
-synchronous), which separates that from the connector's own cost.
+in eager mode in both cases (`enforce_eager`). Both schedule the way vLLM
+does by default (asynchronously on GPUs); engines `plain-sync` and
+`sekv-sync` turn vLLM's asynchronous scheduling off, which separates its
+gain from the connector's own cost.
 
 Writes OUT.json and OUT.md.
 """
@@ -123,9 +124,9 @@ def make_llm(spec: dict):
     from vllm import LLM
 
     kwargs = {}
-    if spec["engine"] == "plain-sync":
+    if spec["engine"].endswith("-sync"):
         kwargs["async_scheduling"] = False
-    if spec["engine"] == "sekv":
+    if spec["engine"].startswith("sekv"):
         kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
                                         "kv_connector_extra_config": spec["sekv"]}
     return LLM(model=spec["model_dir"], load_format=spec["load_format"], skip_tokenizer_init=True,
@@ -162,13 +163,14 @@ def engine_main(spec: dict) -> None:
     print(f"[{spec['engine']}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
     session = Session(llm, timers)
     rows: list[dict] = []
-    if spec["engine"] == "sekv":
+    engine = spec["engine"]
+    if engine.startswith("sekv"):
         extra = {"session_id": "agent", "view_tokens": spec["view_tokens"]}
         for size in spec["sizes"]:
             grow = session.run(history[:size] + question(), 1, extra)
-            print(f"[sekv] session grown to {size}: {grow['total_s']:.1f} s, {grow['kv_transfer_params']}", flush=True)
+            print(f"[{engine}] session grown to {size}: {grow['total_s']:.1f} s, {grow['kv_transfer_params']}", flush=True)
             steps = [session.run(history[:size] + question(), 1, extra) for _ in range(spec["steps"])]
-            row = {"engine": "sekv", "session_tokens": size, "grow_s": grow["total_s"], "steps": steps,
+            row = {"engine": engine, "session_tokens": size, "grow_s": grow["total_s"], "steps": steps,
                    "ttft_s": statistics.median(s["ttft_s"] for s in steps), "memory": gpu_memory()}
             if size == max(spec["sizes"]):
                 row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
@@ -180,7 +182,7 @@ def engine_main(spec: dict) -> None:
                     row["decode_profile"] = profiled(
                         lambda: session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra))
             rows.append(row)
-            print(f"[sekv] {size}: TTFT {row['ttft_s']:.3f} s (all {[round(s['ttft_s'], 3) for s in steps]}), "
+            print(f"[{engine}] {size}: TTFT {row['ttft_s']:.3f} s (all {[round(s['ttft_s'], 3) for s in steps]}), "
                   f"memory {row['memory']}, view {steps[-1]['kv_transfer_params']}", flush=True)
     else:
         context = history[: spec["view_tokens"]]
@@ -214,6 +216,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
     plain = next((r for r in rows if r["engine"] == "plain"), None)
     plain_sync = next((r for r in rows if r["engine"] == "plain-sync"), None)
     sekv = [r for r in rows if r["engine"] == "sekv"]
+    sekv_sync = next((r for r in rows if r["engine"] == "sekv-sync" and "decode" in r), None)
     commands = commands or [f"python benchmarks/gpu/views_e2e.py {' '.join(sys.argv[1:])}"]
     lines = [
         "# GPU end to end: a long session served from execution views",
@@ -256,6 +259,13 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
         if decode:
             line += f"; sekv / plain-sync {decode['decode_s_per_token'] / plain_sync['decode']['decode_s_per_token']:.3f}x"
         lines += ["", line + "."]
+    if sekv_sync:
+        line = (f"sekv with asynchronous scheduling off (`sekv-sync`): decode "
+                f"{sekv_sync['decode']['decode_s_per_token'] * 1e3:.2f} ms/token")
+        if plain_sync:
+            ratio = sekv_sync["decode"]["decode_s_per_token"] / plain_sync["decode"]["decode_s_per_token"]
+            line += f"; sekv-sync / plain-sync {ratio:.3f}x"
+        lines += ["", line + "."]
     lines += timer_tables(rows)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": " && ".join(commands)}, indent=1))
@@ -286,7 +296,8 @@ def timer_tables(rows: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine-spec", help=argparse.SUPPRESS)
-    ap.add_argument("--engines", nargs="+", default=["sekv", "plain"])
+    ap.add_argument("--engines", nargs="+", default=["sekv", "plain"],
+                    choices=["sekv", "sekv-sync", "plain", "plain-sync"])
     ap.add_argument("--sizes", type=int, nargs="+", default=[65536, 131072, 262144, 524288])
     ap.add_argument("--view-tokens", type=int, default=65536)
     ap.add_argument("--steps", type=int, default=3)
@@ -324,7 +335,7 @@ def main() -> None:
             "profile": args.profile, "timers": args.timers}
     rows: list[dict] = []
     for engine in args.engines:
-        if engine == "sekv":
+        if engine.startswith("sekv"):
             sekv = {"host_bytes": args.host_bytes, "view_tokens": args.view_tokens, **json.loads(args.sekv)}
             max_len = max(args.sizes) + NEW_TOKENS + args.decode_tokens + 64
             rows += run_engine({**base, "engine": engine, "sekv": sekv, "max_model_len": max_len}, workdir)

@@ -4,13 +4,21 @@
 
 SPEC: {"model": dir, "sekv": extra_config or null, "turns": [text, ...],
        "max_tokens": n, "salt": str, "other_salt": str, "dtype": str,
-       "reset": bool (default true)}
+       "reset": bool (default true), "async_scheduling": bool (default false)}
 Each step's prompt is the previous prompt + the previous output + the next turn,
 as token ids (no re-tokenization at the seams). vLLM's prefix cache is reset
 before every step unless "reset" is false (then vLLM's own cache serves the
 history: the case sekv replaces). After the session, the last prompt is sent again once with
 `other_salt` and once with `salt` (cache reset before each) to probe tenant
-isolation. OUT gets per-step token ids, num_cached_tokens and kv_transfer_params.
+isolation. OUT gets per-step token ids, num_cached_tokens and kv_transfer_params,
+and the scheduler the engine ran ("scheduler": class path, "async_scheduling").
+
+"async_scheduling": vLLM's asynchronous scheduler (a step is scheduled while
+the last one runs, as vLLM does by default on GPUs). vLLM's CPU build turns it
+off in its platform hook although its engine and model runner support it;
+here that one override is lifted (`lift_cpu_async_override`), in this process
+(the engine core runs in-process), so CI exercises the scheduling mode the
+GPU machine uses.
 """
 import json
 import os
@@ -19,12 +27,31 @@ import sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def lift_cpu_async_override() -> None:
+    """Keep the scheduling mode asked for through vLLM's CPU platform hook,
+    which otherwise sets `async_scheduling = False`."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        asked = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = asked
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     spec = json.load(open(spec_path))
     kwargs = {}
+    if spec.get("async_scheduling"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        lift_cpu_async_override()
+        kwargs["async_scheduling"] = True
     if spec["sekv"] is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "sekv", "kv_role": "kv_both", "kv_connector_extra_config": spec["sekv"],
@@ -52,7 +79,9 @@ def main(spec_path: str, out_path: str) -> None:
         ids = ids + steps[-1]["output_token_ids"]
     probe = {"other_salt": run(steps[-1]["prompt_token_ids"], spec["other_salt"]),
              "same_salt": run(steps[-1]["prompt_token_ids"], spec["salt"])}
-    json.dump({"steps": steps, "probe": probe}, open(out_path, "w"))
+    sc = llm.llm_engine.vllm_config.scheduler_config
+    scheduler = {"class": str(sc.scheduler_cls), "async_scheduling": bool(sc.async_scheduling)}
+    json.dump({"steps": steps, "probe": probe, "scheduler": scheduler}, open(out_path, "w"))
 
 
 if __name__ == "__main__":

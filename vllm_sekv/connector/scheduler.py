@@ -194,7 +194,7 @@ class SekvSchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         progress = self.views.virtual_progress(request)
-        tokens, computed = progress or (request.all_token_ids, request.num_computed_tokens)
+        tokens, computed = progress or (request.all_token_ids, compat.finished_tokens(request))
         view_info = self.views.finish(request)
         self._requests.pop(req_id, None)
         st = self.planner.finish(req_id, tokens, computed)

@@ -254,8 +254,8 @@ class ViewCoordinator:
             job = self.jobs.get(request.request_id)
             if job is None or job.current is None or job.current.samples:
                 continue
-            if request.num_computed_tokens < job.current.num_tokens - 1:
-                continue
+            if compat.finished_tokens(request) < job.current.num_tokens - 1:
+                continue  # its last chunk is still running (asynchronous scheduling)
             if job.current.kind is PassKind.PROBE and job.scores is None:
                 continue  # the probe's report is still on its way
             done.append(request)
@@ -298,7 +298,7 @@ class ViewCoordinator:
         view = job.current
         if view is None:
             return tokens, 0
-        computed = max(0, request.num_computed_tokens - view.history_tokens) + view.tail_start
+        computed = max(0, compat.finished_tokens(request) - view.history_tokens) + view.tail_start
         return tokens, min(computed, len(tokens))
 
     def finish(self, request: Any) -> dict[str, Any] | None:
