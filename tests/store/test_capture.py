@@ -90,3 +90,22 @@ def test_cuda_captures_are_copied_into_the_pinned_pool_asynchronously_with_the_s
     writer.settle()
     assert not writer._pending
     assert torch.equal(pool.data, expected)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cudart.available()), reason="asynchronous path: CUDA only")
+def test_cuda_reap_never_waits_for_a_copy_still_running():
+    pool = HostPool(2, LAYERS, BT, H, D, torch.bfloat16, pin_memory=True)
+    writer = CaptureWriter(pool, torch.device("cuda"))
+    cap, seen = _capture("cuda", [3], None, seed=0)
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time ahead of the copy
+    assert writer.write(cap, ROPE)
+    writer.reap()
+    assert len(writer._pending) == 1  # the copy is still queued: kept, not waited for
+    writer.settle()
+    assert not writer._pending
+    assert torch.equal(pool.data, _expected(2, [3], seen, None, torch.bfloat16))
+    cap, _ = _capture("cuda", [5], None, seed=1)
+    assert writer.write(cap, ROPE)
+    torch.cuda.synchronize()
+    writer.reap()
+    assert not writer._pending  # done copies are let go

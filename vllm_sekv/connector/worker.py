@@ -221,9 +221,12 @@ class SekvWorkerSide:
     # ------------------------------------------------------------ each step
 
     def bind(self, metadata: SekvMetadata) -> None:
-        if self.capture_writer is not None:
-            self.capture_writer.settle()  # the last step's captures are in the pool before anything reads it
         plan = self._plan = metadata.plan
+        if self.capture_writer is not None:
+            if self._reads_pool(plan):
+                self.capture_writer.settle()  # the last steps' captures are in the pool before anything reads it
+            else:
+                self.capture_writer.reap()
         self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = None
         # Set here, not in `start_load_kv`: vLLM 0.32 starts the loads of a step
         # without synchronous ones after its forward (a layerwise restore, which
@@ -250,6 +253,13 @@ class SekvWorkerSide:
                 self.records.submit_read(block_hash, slot, start_token)
         if self.pool is not None:
             self._update_index(plan)
+
+    def _reads_pool(self, plan: StepPlan) -> bool:
+        """Whether this step reads or rewrites host-tier rows other than by
+        capturing (captures are copied in order on one stream): restores, index
+        updates, probes, coarse summaries, NVMe reads and writes."""
+        return bool(plan.restores or plan.index_blocks or self._index_pending or plan.scores or plan.coarse
+                    or plan.nvme_reads or plan.nvme_writes)
 
     def _update_index(self, plan: StepPlan) -> None:
         """Index the blocks committed since the last probe, before this step's

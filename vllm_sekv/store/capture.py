@@ -17,8 +17,12 @@ positions and stores the buffer at the capture's host rows:
   `block_tokens * kv_heads * head_dim` apart). The calling thread never waits:
   a decode step no longer pays a device synchronization and a host-side copy.
   `settle()` waits for the copies; it must be called before anything reads or
-  rewrites those host rows (the worker calls it first thing in the next step,
-  and at shutdown), and it costs nothing once the copies are done.
+  rewrites those host rows on the host or from another stream (the worker
+  calls it at the start of a step that does, and at shutdown), and it costs
+  nothing once the copies are done. A step that only captures calls
+  `reap()`, which never waits: under asynchronous scheduling the next step
+  starts while this one's forward still runs, and waiting there would undo
+  the overlap.
 * Elsewhere: synchronously, through a host copy of the buffer
   (`HostPool.write_rows_all_layers`).
 
@@ -121,3 +125,8 @@ class CaptureWriter:
         for done, _ in self._pending:
             done.synchronize()
         self._pending.clear()
+
+    def reap(self) -> None:
+        """Let go of the captures already in the pool; never waits. Later
+        copies are issued on the same stream, so they land after these."""
+        self._pending = [(done, capture) for done, capture in self._pending if not done.query()]
