@@ -117,6 +117,21 @@ def attention_layer(forward_context: Any, layer_name: str) -> Any:
     return forward_context.no_compile_layers[layer_name]
 
 
+def paged_kv_views(kv_cache: Any, kv_heads: int, head_dim: int) -> tuple[Any, Any] | None:
+    """(K, V) views `[pages, page_size, kv_heads, head_dim]` of one layer's
+    paged CUDA cache in the layouts of vLLM's FlashAttention (`[2, pages,
+    page_size, heads, dim]`) and FlashInfer (`[pages, 2, ...]`) backends,
+    whatever their stride order; None for any other layout (the CPU backend's
+    among them): the worker then captures K/V through the attention hook."""
+    if kv_cache.device.type != "cuda" or kv_cache.dim() != 5 or tuple(kv_cache.shape[3:]) != (kv_heads, head_dim):
+        return None
+    if kv_cache.shape[0] == 2:
+        return kv_cache[0], kv_cache[1]
+    if kv_cache.shape[1] == 2:
+        return kv_cache[:, 0], kv_cache[:, 1]
+    return None
+
+
 def kv_cache_block_size(vllm_config: "VllmConfig") -> int:
     return vllm_config.cache_config.block_size
 

@@ -109,3 +109,31 @@ def test_cuda_reap_never_waits_for_a_copy_still_running():
     torch.cuda.synchronize()
     writer.reap()
     assert not writer._pending  # done copies are let go
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() and cudart.available()), reason="CUDA only"))])
+def test_a_paged_capture_gathered_from_the_caches_stores_the_same_bytes(device):
+    """`paged` captures read their rows from FlashAttention-layout caches
+    after the forward (one gather, keys rotated in it): the pool gets what
+    per-layer takes of the same rows would have stored."""
+    pages, page_size = 5, 4
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.randn(2, pages, page_size, H, D, generator=g).to(device=device, dtype=torch.bfloat16)
+              for _ in range(LAYERS)]
+    keys, values = [c[0] for c in caches], [c[1] for c in caches]
+    slots = torch.tensor([17, 3, 4, 11, 0])
+    host_rows, deltas = [5, 6, 7, 8, 13], torch.tensor([3, 3, 3, -2, 400])
+    cap = StepCapture(slots.to(device), np.asarray(host_rows), deltas.to(device), LAYERS, H, D, torch.bfloat16,
+                      paged=True)
+    assert not cap.complete
+    cap.gather(keys, values, ROPE)
+    assert cap.complete and cap.deltas is None  # rotated in the gather
+    pool = HostPool(5, LAYERS, BT, H, D, torch.bfloat16, pin_memory=device == "cuda")
+    pool.data.zero_()
+    writer = CaptureWriter(pool, torch.device(device))
+    assert writer.write(cap, ROPE)
+    writer.settle()
+    pages_of, offsets = slots // page_size, slots % page_size
+    seen = [(k.cpu()[pages_of, offsets], v.cpu()[pages_of, offsets]) for k, v in zip(keys, values)]
+    assert torch.equal(pool.data, _expected(5, host_rows, seen, deltas, torch.bfloat16))

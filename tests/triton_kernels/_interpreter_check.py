@@ -8,6 +8,7 @@ import torch
 
 from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
 from vllm_sekv.triton_kernels.rope import reference as rope_reference
+from vllm_sekv.triton_kernels.rope import gather as rope_gather
 from vllm_sekv.triton_kernels.rope import rotate as rope_rotate
 from vllm_sekv.triton_kernels.rope import scatter_reference
 from vllm_sekv.triton_kernels.rope.reference import RopeSpec
@@ -64,6 +65,24 @@ for neox, rotary_dim, head_dim, dtype in [(True, 64, 64, torch.float16), (False,
     in_place = keys.clone()
     assert rope_rotate.rotate_keys(in_place, deltas, rope, out=in_place) is in_place
     assert torch.equal(in_place, rope_rotate.rotate_keys(keys, deltas, rope))
+
+# The capture gather: paged caches (head-major views here) -> [2, L, n, H, D],
+# keys rotated bit-identically to the reference; without deltas a plain copy.
+for neox, rotary_dim, head_dim, dtype in [(True, 64, 64, torch.float16), (False, 32, 32, torch.float32),
+                                          (True, 48, 96, torch.float16)]:
+    inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    rope = RopeSpec(inv, rotary_dim, neox)
+    layers, heads, pages, page_size, n = 3, 2, 9, 4, 19
+    kv = torch.randn(layers, 2, pages, heads, page_size, head_dim).to(dtype)
+    k_views = [kv[l, 0].transpose(1, 2) for l in range(layers)]
+    v_views = [kv[l, 1].transpose(1, 2) for l in range(layers)]
+    slots = torch.randperm(pages * page_size)[:n]
+    for deltas in (torch.randint(-300000, 300000, (n,)), None):
+        got = rope_gather.gather_rerope(k_views, v_views, slots, deltas, rope,
+                                        torch.empty(2, layers, n, heads, head_dim, dtype=dtype))
+        want = scatter_reference.gather_rerope(k_views, v_views, slots, deltas, rope,
+                                               torch.empty(2, layers, n, heads, head_dim, dtype=dtype))
+        assert torch.equal(got, want), (got - want).abs().max()
 
 fused_coarse = coarse_kernel.CoarseConfig(16, 16, 4, 1, num_splits=1)
 split_coarse = coarse_kernel.CoarseConfig(16, 16, 4, 1, num_splits=3)

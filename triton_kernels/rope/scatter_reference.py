@@ -1,4 +1,6 @@
-"""PyTorch reference for scatter + re-RoPE (same signature as `kernel.scatter_rerope`).
+"""PyTorch references for moving K/V between packed rows and paged caches:
+scatter + re-RoPE (same signature as `kernel.scatter_rerope`), and its mirror,
+`gather_rerope` (paged caches -> a capture buffer; `gather.gather_rerope`).
 
 Source: a packed staging buffer in the host pool's layout
 `[n_rows, 2, num_layers, block_tokens, kv_heads, head_dim]` (index 0 = K post-RoPE,
@@ -75,3 +77,43 @@ def scatter_rerope(
         k = rotate_keys(k[keep], deltas[keep], rope)
         key_caches[layer][pages, offsets] = k
         value_caches[layer][pages, offsets] = v[keep]
+
+
+def check_gather_args(key_caches, value_caches, slots, delta_positions, out) -> None:
+    """Validate `gather_rerope`'s arguments. Raises ValueError."""
+    if out.dim() != 5 or out.shape[0] != 2 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [2, layers, n, kv_heads, head_dim], got {tuple(out.shape)}")
+    _, layers, n, heads, head_dim = out.shape
+    if len(key_caches) != layers or len(value_caches) != layers:
+        raise ValueError(f"need {layers} key and value caches, got {len(key_caches)} and {len(value_caches)}")
+    for cache in (*key_caches, *value_caches):
+        if cache.dim() != 4 or tuple(cache.shape[2:]) != (heads, head_dim) or cache.dtype != out.dtype:
+            raise ValueError(f"cache views must be [pages, page_size, {heads}, {head_dim}] {out.dtype}, "
+                             f"got {tuple(cache.shape)} {cache.dtype}")
+    if slots.shape != (n,) or (delta_positions is not None and delta_positions.shape != (n,)):
+        raise ValueError(f"slots / delta_positions must be [{n}]")
+
+
+def gather_rerope(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    delta_positions: torch.Tensor | None,
+    rope: RopeSpec,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The rows at paged `slots [n]` (all >= 0) of every layer's caches into
+    `out [2, layers, n, kv_heads, head_dim]` (K then V), keys rotated by
+    `delta_positions [n]` with `rotate_keys` (None: copied). Returns `out`,
+    the only tensor mutated."""
+    check_gather_args(key_caches, value_caches, slots, delta_positions, out)
+    page_size = key_caches[0].shape[1]
+    slots = slots.to(device=key_caches[0].device, dtype=torch.int64)
+    pages, offsets = slots // page_size, slots % page_size
+    for layer, (k, v) in enumerate(zip(key_caches, value_caches)):
+        keys = k[pages, offsets]
+        if delta_positions is not None:
+            keys = rotate_keys(keys, delta_positions.to(keys.device), rope)
+        out[0, layer] = keys
+        out[1, layer] = v[pages, offsets]
+    return out

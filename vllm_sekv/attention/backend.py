@@ -4,7 +4,8 @@ The wrapper subclasses the platform's backend and impl classes and changes two
 things: after the platform writes a step's K (post-RoPE) and V into the paged
 cache, it hands the same tensors — `[tokens, kv_heads, head_dim]`, straight
 from the attention layer's inputs — to the active sekv connector's
-`capture_kv(layer, key, value, slot_mapping)`; and, in steps where the
+`capture_kv(layer, key, value, slot_mapping)` while the connector's
+`capture_layers` asks for it (a CUDA decode step: the first layer only); and, in steps where the
 connector's `attention_hooks` is true, before attention it shows the layer's
 queries to `observe_queries(layer, query)` (a probe scores the block index with
 them), after making sure the layer's restored KV is written
@@ -41,9 +42,8 @@ def wrap_impl(base: type) -> type:
         ) -> None:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             connector: Any = compat.active_connector()
-            capture = getattr(connector, "capture_kv", None)
-            if capture is not None:
-                capture(layer, key, value, slot_mapping)
+            if getattr(connector, "capture_layers", False):
+                connector.capture_kv(layer, key, value, slot_mapping)
 
         def forward(self, layer: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any):
             connector: Any = compat.active_connector()

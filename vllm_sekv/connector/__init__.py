@@ -63,6 +63,11 @@ class SekvConnector(KVConnectorBase_V1):
             self._worker.capture_kv(layer, key, value, slot_mapping)
 
     @property
+    def capture_layers(self) -> bool:
+        """Whether the attention hook must call `capture_kv` for the next layer."""
+        return self._worker is not None and self._worker.capture_layers
+
+    @property
     def attention_hooks(self) -> bool:
         """Whether this step needs `observe_queries` / `merge_coarse` (and the
         hook's `wait_for_layer_load`) around each layer's attention."""

@@ -128,6 +128,14 @@ class SekvWorkerSide:
         # forward ends; then stored by `capture_writer` (asynchronously on CUDA).
         self._capture: StepCapture | None = None
         self.capture_writer: CaptureWriter | None = None
+        # Per layer (by index), K and V views of its paged cache where the
+        # capture can read them after the forward in one launch (CUDA,
+        # `compat.paged_kv_views`); None: captured layer by layer.
+        self._cache_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # Whether this step's forward needs `capture_kv` at every layer (the
+        # first layer always, where the step's rows are found; later layers
+        # for layer-by-layer captures and coarse keys).
+        self.capture_layers = False
         # Whether this step needs the attention hook's per-layer calls before
         # and after attention (probes, coarse merges, a layerwise restore).
         self.attention_hooks = False
@@ -189,6 +197,7 @@ class SekvWorkerSide:
             raise RuntimeError(f"sekv config 'host_bytes': the host tier of {self.config.host_bytes} bytes "
                                f"could not be allocated and pinned ({e}); lower host_bytes") from e
         self.capture_writer = CaptureWriter(self.pool, device)
+        self._cache_views = self._paged_views(kv_caches)
         if device.type == "cuda":
             self.pipeline = RestorePipeline(tuple(self.pool.data.shape[1:]), geo.dtype, device)
             if self.config.restore_mode == "layerwise" and not cudart.available():
@@ -218,6 +227,22 @@ class SekvWorkerSide:
             self.records = RecordIO(layout, self.pool.data, compat.worker_rank(),
                                     self.config.nvme_io_threads)
 
+    def _paged_views(self, kv_caches: dict[str, torch.Tensor]) -> tuple[list, list] | None:
+        """Every layer's (K, V) paged-cache views, if all layers have them
+        with one stride set each (what `ops.gather_rerope` reads); else None."""
+        first: dict[int, torch.Tensor] = {}
+        for name, kv_cache in kv_caches.items():
+            first.setdefault(self.layer_of[name], kv_cache)
+        views = [compat.paged_kv_views(first[i], self.geometry.kv_heads, self.geometry.head_dim)
+                 for i in range(self.geometry.num_layers)]
+        if any(v is None for v in views):
+            return None
+        keys, values = [k for k, _ in views], [v for _, v in views]
+        for group in (keys, values):
+            if any(t.stride() != group[0].stride() or t.shape != group[0].shape for t in group):
+                return None
+        return keys, values
+
     # ------------------------------------------------------------ each step
 
     def bind(self, metadata: SekvMetadata) -> None:
@@ -228,6 +253,7 @@ class SekvWorkerSide:
             else:
                 self.capture_writer.reap()
         self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = None
+        self.capture_layers = bool(len(plan.capture_paged_slots) or plan.scores or plan.coarse or plan.surprisal)
         # Set here, not in `start_load_kv`: vLLM 0.32 starts the loads of a step
         # without synchronous ones after its forward (a layerwise restore, which
         # always runs before the forward, turns the hooks on there).
@@ -265,9 +291,12 @@ class SekvWorkerSide:
         """Index the blocks committed since the last probe, before this step's
         forward (its probes score with them). On the CPU only when a probe
         needs them (restores stay lean); a GPU index takes each block as it is
-        committed, so that no probe pays for a long history at once."""
+        committed, so that no probe pays for a long history at once, except in
+        a step that restores (the index reads the host tier too, and would
+        delay the restore's first copy): the next step takes them."""
         self._index_pending.update(plan.index_blocks)
-        if self._index_pending and (plan.scores or self.index.device.type == "cuda"):
+        gpu_now = self.index.device.type == "cuda" and not plan.restores
+        if self._index_pending and (plan.scores or gpu_now):
             latest, self._index_pending = self._index_pending, {}
             surprisal = None
             if self.index.kind.uses_weights:
@@ -467,11 +496,13 @@ class SekvWorkerSide:
             if self._plan is None or self.pool is None:
                 return
             self._begin_forward(key, slot_mapping)
+            layerwise = self._capture is not None and not self._capture.paged
+            self.capture_layers = bool(self._coarse_rows) or layerwise  # later layers
         if self._coarse_rows:
             layer_idx = self.layer_of[layer.layer_name]
             for req_id, step in self._coarse_rows:
                 self.coarse.keys_written(req_id, layer_idx, key[step.rows], step)
-        if self._capture is not None:
+        if self._capture is not None and not self._capture.paged:
             self._capture.take(self.layer_of[layer.layer_name], key, value)
 
     def _begin_forward(self, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -497,6 +528,8 @@ class SekvWorkerSide:
         asynchronously; `bind` settles them before the next step). A capture
         that missed a layer fails its slots."""
         capture, self._capture = self._capture, None
+        if capture is not None and capture.paged:
+            capture.gather(*self._cache_views, self.rope)
         if capture is None or self.capture_writer.write(capture, self.rope):
             return
         lost = set((capture.host_rows // self.config.block_tokens).tolist())
@@ -530,8 +563,10 @@ class SekvWorkerSide:
         deltas = to_device(deltas, device) if deltas is not None and deltas.any() else None
         self.stats.add("captured_tokens", len(rows))
         geo = self.geometry
+        paged = self._cache_views is not None  # read from the caches after the forward, by paged slot
+        rows = plan.capture_paged_slots[found] if paged else rows
         return StepCapture(to_device(rows, device), plan.capture_host_rows[found], deltas,
-                           geo.num_layers, geo.kv_heads, geo.head_dim, self.pool.data.dtype)
+                           geo.num_layers, geo.kv_heads, geo.head_dim, self.pool.data.dtype, paged)
 
     def _resolve_probe_rows(
         self, plan: StepPlan, slot_mapping: torch.Tensor

@@ -16,6 +16,9 @@ implementation themselves.
 * `scatter_rerope(staging, key_caches, value_caches, slot_mapping,
   delta_positions, rope, src_rows=None)`: staged blocks -> paged caches, K
   re-RoPE'd (see `triton_kernels/rope/scatter_reference.py`).
+* `gather_rerope(key_caches, value_caches, slots, delta_positions, rope,
+  out)`: paged caches -> a `[2, layers, n, kv_heads, head_dim]` capture
+  buffer, K re-RoPE'd (see `triton_kernels/rope/gather.py`).
 * `coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)`:
   SeKV summaries merged into view attention by log-sum-exp (see
   `triton_kernels/coarse/reference.py`).
@@ -99,6 +102,16 @@ def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], va
     return _scatter_ref.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
 
 
+def gather_rerope(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], slots: torch.Tensor,
+                  delta_positions: torch.Tensor | None, rope: RopeSpec, out: torch.Tensor) -> torch.Tensor:
+    """Paged caches -> capture buffer, K re-RoPE'd; Triton on CUDA (bit-identical), reference elsewhere."""
+    if _use_triton(out) and key_caches and _use_triton(key_caches[0]) and out.dtype in _ROTATE_DTYPES:
+        from vllm_sekv.triton_kernels.rope import gather
+
+        return gather.gather_rerope(key_caches, value_caches, slots, delta_positions, rope, out)
+    return _scatter_ref.gather_rerope(key_caches, value_caches, slots, delta_positions, rope, out)
+
+
 def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor, k_sum: torch.Tensor,
                  v_sum: torch.Tensor, summary_tokens: torch.Tensor,
                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,4 +124,4 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
 
 
 __all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_blocks", "score_sub_blocks", "select_blocks", "scatter_rerope",
-           "coarse_merge"]
+           "gather_rerope", "coarse_merge"]

@@ -3,9 +3,16 @@ the host tier once the forward is done.
 
 `StepCapture` holds the planned rows of one forward's batch for every layer in
 one device buffer `[2, num_layers, n, kv_heads, head_dim]` (K then V), the
-row layout of a host slot. `take(layer, key, value)` gathers a layer's rows
-into it (two `index_select`s, no allocation, no synchronization); the attention
-hook calls it once per layer.
+row layout of a host slot, filled one of two ways:
+
+* layer by layer inside the forward: `take(layer, key, value)` gathers a
+  layer's batch rows (two `index_select`s, no allocation, no
+  synchronization); the attention hook calls it once per layer;
+* where the worker can read the paged caches directly (CUDA, vLLM's
+  FlashAttention layout; `paged=True`, rows are paged slots): once after the
+  forward, `gather(key_caches, value_caches, rope)`, one launch for every
+  layer with the keys' rotation fused in (`ops.gather_rerope`). A decode step
+  then pays no per-layer capture work inside the forward.
 
 `CaptureWriter.write(capture, rope)` rotates the keys to their virtual
 positions and stores the buffer at the capture's host rows:
@@ -34,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_sekv.ops import rotate_layer_keys_
+from vllm_sekv.ops import gather_rerope, rotate_layer_keys_
 from vllm_sekv.store import cudart
 from vllm_sekv.store.host_pool import HostPool
 
@@ -54,28 +61,37 @@ def row_runs(host_rows: np.ndarray, block_tokens: int) -> list[tuple[int, int, i
 class StepCapture:
     """One forward's planned rows, captured from every layer."""
 
-    def __init__(self, batch_rows: torch.Tensor, host_rows: np.ndarray, deltas: torch.Tensor | None,
-                 num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """`batch_rows [n]` (on the forward's device): rows of the batch to keep;
-        `host_rows [n]`: where they go; `deltas [n]` (same device, or None):
-        virtual position minus computed position of each row's key."""
-        self.batch_rows = batch_rows
+    def __init__(self, rows: torch.Tensor, host_rows: np.ndarray, deltas: torch.Tensor | None,
+                 num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, paged: bool = False) -> None:
+        """`rows [n]` (on the forward's device): the batch rows to keep (`take`),
+        or with `paged` their paged-cache slots (`gather`); `host_rows [n]`:
+        where they go; `deltas [n]` (same device, or None): virtual position
+        minus computed position of each row's key."""
+        self.rows = rows
+        self.paged = paged
         self.host_rows = host_rows
         self.deltas = deltas
         self.kv = torch.empty((2, num_layers, len(host_rows), kv_heads, head_dim), dtype=dtype,
-                              device=batch_rows.device)
+                              device=rows.device)
         self._keys, self._values = self.kv[0].unbind(0), self.kv[1].unbind(0)  # per-layer views, made once
         self._missing = set(range(num_layers))
 
     def take(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep layer `layer`'s planned rows of `key`/`value` `[tokens, kv_heads, head_dim]`."""
-        rows = self.batch_rows
+        rows = self.rows
         for src, dst in ((key, self._keys[layer]), (value, self._values[layer])):
             if src.dtype == dst.dtype:
                 torch.index_select(src, 0, rows, out=dst)
             else:
                 dst.copy_(src.index_select(0, rows))
         self._missing.discard(layer)
+
+    def gather(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], rope) -> None:
+        """Read every layer's planned rows from the paged caches (`paged`
+        captures, after the forward wrote them), keys rotated by the deltas."""
+        gather_rerope(key_caches, value_caches, self.rows, self.deltas, rope, self.kv)
+        self.deltas = None  # rotated
+        self._missing.clear()
 
     @property
     def complete(self) -> bool:
