@@ -119,15 +119,27 @@ def attention_layer(forward_context: Any, layer_name: str) -> Any:
 
 def paged_kv_views(kv_cache: Any, kv_heads: int, head_dim: int) -> tuple[Any, Any] | None:
     """(K, V) views `[pages, page_size, kv_heads, head_dim]` of one layer's
-    paged CUDA cache in the layouts of vLLM's FlashAttention (`[2, pages,
-    page_size, heads, dim]`) and FlashInfer (`[pages, 2, ...]`) backends,
-    whatever their stride order; None for any other layout (the CPU backend's
-    among them): the worker then captures K/V through the attention hook."""
-    if kv_cache.device.type != "cuda" or kv_cache.dim() != 5 or tuple(kv_cache.shape[3:]) != (kv_heads, head_dim):
+    paged cache, as the platform's cache-update op writes it, for the layouts
+    of vLLM's GPU attention backends; None for any other (the CPU backend's
+    among them; the worker then captures K/V through the attention hook):
+
+    * vLLM 0.26's FlashAttention: K and V packed in the content dim, logical
+      `[pages, kv_heads, page_size, 2 * head_dim]` (its `do_kv_cache_update`
+      writes `kv_cache.transpose(1, 2).split(head_dim, -1)`);
+    * `[2, pages, page_size, kv_heads, head_dim]` (FlashAttention before it)
+      and `[pages, 2, page_size, kv_heads, head_dim]` (FlashInfer).
+
+    Any stride order. The worker checks the views against the attention
+    layer's own K/V once before trusting them (`StepCapture.gather`)."""
+    shape = tuple(kv_cache.shape)
+    if kv_cache.dim() == 4 and shape[1] == kv_heads and shape[3] == 2 * head_dim:
+        key, value = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+        return key, value
+    if kv_cache.dim() != 5 or shape[3:] != (kv_heads, head_dim):
         return None
-    if kv_cache.shape[0] == 2:
+    if shape[0] == 2:
         return kv_cache[0], kv_cache[1]
-    if kv_cache.shape[1] == 2:
+    if shape[1] == 2:
         return kv_cache[:, 0], kv_cache[:, 1]
     return None
 

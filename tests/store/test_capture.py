@@ -137,3 +137,45 @@ def test_a_paged_capture_gathered_from_the_caches_stores_the_same_bytes(device):
     pages_of, offsets = slots // page_size, slots % page_size
     seen = [(k.cpu()[pages_of, offsets], v.cpu()[pages_of, offsets]) for k, v in zip(keys, values)]
     assert torch.equal(pool.data, _expected(5, host_rows, seen, deltas, torch.bfloat16))
+
+
+def test_a_paged_capture_checks_the_cache_views_against_what_the_layer_wrote():
+    """The first paged capture compares the rows it read with the attention
+    layer's own K/V: views of the wrong layout (here K and V swapped) fail
+    the capture instead of storing wrong KV."""
+    pages, page_size = 3, 4
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn(2, pages, page_size, H, D, generator=g).bfloat16() for _ in range(LAYERS)]
+    keys, values = [c[0] for c in caches], [c[1] for c in caches]
+    slots, deltas = torch.tensor([9, 2]), torch.tensor([7, -1])
+    written = (keys[1][slots // page_size, slots % page_size], values[1][slots // page_size, slots % page_size])
+    for views, ok in (((keys, values), True), ((values, keys), False)):
+        cap = StepCapture(slots, np.array([0, 1]), deltas, LAYERS, H, D, torch.bfloat16, paged=True)
+        cap.expect(1, *written)
+        assert cap.gather(*views, ROPE) is ok
+        assert cap.complete is ok
+
+
+def test_paged_views_read_what_vllm_0_26_flash_attention_writes():
+    """vLLM 0.26's FlashAttention cache packs K and V in the content dim,
+    logical [pages, heads, page_size, 2 * head_dim] (stored page-major), and
+    writes through `kv_cache.transpose(1, 2).split(head_dim, -1)`; the views
+    read back what that wrote. Other layouts: 5-D [2, pages, ...] and
+    [pages, 2, ...]; the CPU backend's head-major one is not taken."""
+    from vllm_sekv import compat
+
+    pages, page_size = 6, 16
+    kv = torch.zeros(pages, page_size, H, 2 * D).permute(0, 2, 1, 3)  # logical (B, H, N, 2D), NHD storage
+    key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)  # vLLM's write path
+    slots = torch.tensor([5, 40, 95])
+    k, v = torch.randn(3, H, D), torch.randn(3, H, D)
+    key_cache[slots // page_size, slots % page_size] = k
+    value_cache[slots // page_size, slots % page_size] = v
+    kv_view, v_view = compat.paged_kv_views(kv, H, D)
+    assert torch.equal(kv_view[slots // page_size, slots % page_size], k)
+    assert torch.equal(v_view[slots // page_size, slots % page_size], v)
+    five = torch.randn(2, pages, page_size, H, D)
+    assert all(a is not None for a in compat.paged_kv_views(five, H, D))
+    assert torch.equal(compat.paged_kv_views(five, H, D)[1], five[1])
+    assert torch.equal(compat.paged_kv_views(five.transpose(0, 1), H, D)[0], five[0])
+    assert compat.paged_kv_views(torch.zeros(2, pages, H, page_size, D), H, D) is None  # head-major

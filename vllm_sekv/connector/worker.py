@@ -132,6 +132,11 @@ class SekvWorkerSide:
         # capture can read them after the forward in one launch (CUDA,
         # `compat.paged_kv_views`); None: captured layer by layer.
         self._cache_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # The views are trusted once a capture read through them matched the
+        # attention layer's own K/V; until then a paged capture also keeps its
+        # first layer's rows from the hook (batch rows, on the device).
+        self._views_checked = False
+        self._check_rows: torch.Tensor | None = None
         # Whether this step's forward needs `capture_kv` at every layer (the
         # first layer always, where the step's rows are found; later layers
         # for layer-by-layer captures and coarse keys).
@@ -233,11 +238,15 @@ class SekvWorkerSide:
         first: dict[int, torch.Tensor] = {}
         for name, kv_cache in kv_caches.items():
             first.setdefault(self.layer_of[name], kv_cache)
+        if any(t.device.type != "cuda" for t in first.values()):
+            return None
         views = [compat.paged_kv_views(first[i], self.geometry.kv_heads, self.geometry.head_dim)
                  for i in range(self.geometry.num_layers)]
         if any(v is None for v in views):
             return None
         keys, values = [k for k, _ in views], [v for _, v in views]
+        if keys[0].dtype != self.pool.data.dtype:
+            return None
         for group in (keys, values):
             if any(t.stride() != group[0].stride() or t.shape != group[0].shape for t in group):
                 return None
@@ -252,7 +261,7 @@ class SekvWorkerSide:
                 self.capture_writer.settle()  # the last steps' captures are in the pool before anything reads it
             else:
                 self.capture_writer.reap()
-        self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = None
+        self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = self._check_rows = None
         self.capture_layers = bool(len(plan.capture_paged_slots) or plan.scores or plan.coarse or plan.surprisal)
         # Set here, not in `start_load_kv`: vLLM 0.32 starts the loads of a step
         # without synchronous ones after its forward (a layerwise restore, which
@@ -498,6 +507,10 @@ class SekvWorkerSide:
             self._begin_forward(key, slot_mapping)
             layerwise = self._capture is not None and not self._capture.paged
             self.capture_layers = bool(self._coarse_rows) or layerwise  # later layers
+            if self._check_rows is not None:  # paged views not trusted yet: what this layer wrote
+                rows, self._check_rows = self._check_rows, None
+                self._capture.expect(self.layer_of[layer.layer_name], key.index_select(0, rows),
+                                     value.index_select(0, rows))
         if self._coarse_rows:
             layer_idx = self.layer_of[layer.layer_name]
             for req_id, step in self._coarse_rows:
@@ -529,7 +542,12 @@ class SekvWorkerSide:
         that missed a layer fails its slots."""
         capture, self._capture = self._capture, None
         if capture is not None and capture.paged:
-            capture.gather(*self._cache_views, self.rope)
+            if capture.gather(*self._cache_views, self.rope):
+                self._views_checked = True
+            else:
+                logger.warning("sekv: the paged KV cache does not read back what the attention layer wrote "
+                               "(an unexpected layout); capturing through the attention hook from now on")
+                self._cache_views = None
         if capture is None or self.capture_writer.write(capture, self.rope):
             return
         lost = set((capture.host_rows // self.config.block_tokens).tolist())
@@ -564,6 +582,8 @@ class SekvWorkerSide:
         self.stats.add("captured_tokens", len(rows))
         geo = self.geometry
         paged = self._cache_views is not None  # read from the caches after the forward, by paged slot
+        if paged and not self._views_checked:
+            self._check_rows = to_device(rows, device)
         rows = plan.capture_paged_slots[found] if paged else rows
         return StepCapture(to_device(rows, device), plan.capture_host_rows[found], deltas,
                            geo.num_layers, geo.kv_heads, geo.head_dim, self.pool.data.dtype, paged)

@@ -12,7 +12,9 @@ row layout of a host slot, filled one of two ways:
   FlashAttention layout; `paged=True`, rows are paged slots): once after the
   forward, `gather(key_caches, value_caches, rope)`, one launch for every
   layer with the keys' rotation fused in (`ops.gather_rerope`). A decode step
-  then pays no per-layer capture work inside the forward.
+  then pays no per-layer capture work inside the forward. The views of the
+  caches are checked once against what the attention layer wrote (`expect`)
+  before the worker trusts them.
 
 `CaptureWriter.write(capture, rope)` rotates the keys to their virtual
 positions and stores the buffer at the capture's host rows:
@@ -41,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_sekv.ops import gather_rerope, rotate_layer_keys_
+from vllm_sekv.ops import gather_rerope, rotate_keys, rotate_layer_keys_
 from vllm_sekv.store import cudart
 from vllm_sekv.store.host_pool import HostPool
 
@@ -75,6 +77,7 @@ class StepCapture:
                               device=rows.device)
         self._keys, self._values = self.kv[0].unbind(0), self.kv[1].unbind(0)  # per-layer views, made once
         self._missing = set(range(num_layers))
+        self._expected: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def take(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep layer `layer`'s planned rows of `key`/`value` `[tokens, kv_heads, head_dim]`."""
@@ -86,12 +89,30 @@ class StepCapture:
                 dst.copy_(src.index_select(0, rows))
         self._missing.discard(layer)
 
-    def gather(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], rope) -> None:
+    def expect(self, layer: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> None:
+        """For a `paged` capture whose cache views are not trusted yet: the
+        K/V `[n, kv_heads, head_dim]` of its rows as attention layer `layer`
+        wrote them (that layer's inputs), for `gather` to compare."""
+        self._expected = (layer, key_rows, value_rows)
+
+    def gather(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], rope) -> bool:
         """Read every layer's planned rows from the paged caches (`paged`
-        captures, after the forward wrote them), keys rotated by the deltas."""
+        captures, after the forward wrote them), keys rotated by the deltas.
+        False, and the capture stays incomplete, if the rows read for the
+        layer given to `expect` differ from what that layer wrote: the views
+        are not the cache's layout (one synchronization, when checked)."""
         gather_rerope(key_caches, value_caches, self.rows, self.deltas, rope, self.kv)
+        expected, self._expected = self._expected, None
+        if expected is not None:
+            layer, key, value = expected
+            key = key.to(self.kv.dtype)
+            if self.deltas is not None:
+                key = rotate_keys(key, self.deltas, rope)  # bit-identical to the gather's rotation
+            if not (torch.equal(self.kv[0, layer], key) and torch.equal(self.kv[1, layer], value.to(self.kv.dtype))):
+                return False
         self.deltas = None  # rotated
         self._missing.clear()
+        return True
 
     @property
     def complete(self) -> bool:
