@@ -48,6 +48,7 @@ def test_the_memo_gives_the_hashes_of_hashing_from_scratch_and_reuses_a_shared_p
         (history[:201], "s", "agent"),                       # first: everything hashed
         (history[:201] + [7, 8, 9, 10, 11], "s", "agent"),   # the next step: only the new blocks
         (history[:150] + [1] + history[151:300], "s", "agent"),  # an edit in block 37
+        (history[:140] + [2, 3, 4, 5, 6], "s", "agent"),     # a new question after block 34
         (history[:300], "t", "agent"),                       # another tenant: nothing shared
         (history[:40], "s", "agent"),                        # shorter
         (history[:300], "s", None),                          # no session: its own entry
@@ -57,9 +58,10 @@ def test_the_memo_gives_the_hashes_of_hashing_from_scratch_and_reuses_a_shared_p
         assert got == real([], tokens, 4, salt)
     got = memo.hashes(history[:300], "s", None)  # the same again
     assert got == real([], history[:300], 4, "s")
-    # blocks hashed per call: all; the new one; all (the edit is in the shared
-    # part); all (another salt); none (a prefix of the edited prompt); all; none
-    assert calls == [50, 1, 75, 75, 0, 75, 0]
+    # blocks hashed per call: all; the new one; those from the edit's block on
+    # (75 - 37); those after block 34; all (another salt); none (a prefix of
+    # the last prompt); all; none
+    assert calls == [50, 1, 38, 1, 75, 0, 75, 0]
 
 
 def test_the_memo_keeps_a_copy_and_stays_within_its_capacity():
@@ -74,3 +76,24 @@ def test_the_memo_keeps_a_copy_and_stays_within_its_capacity():
     assert memo._tokens <= 100 and ("s", "a") not in memo._entries
     memo.hashes(list(range(500)), "s", "c")  # longer than the capacity: not kept
     assert ("s", "c") not in memo._entries
+
+
+def test_shared_blocks_is_the_longest_whole_block_common_prefix():
+    import random
+
+    from vllm_sekv.workspace.hashing import _shared_blocks
+
+    rng = random.Random(1)
+    for _ in range(300):
+        bt = rng.choice([1, 4, 32])
+        old = [rng.randrange(3) for _ in range(rng.randrange(0, 200))]
+        new = list(old)
+        for _ in range(rng.randrange(0, 3)):  # up to two changes
+            if new:
+                new[rng.randrange(len(new))] = rng.randrange(3)
+        new += [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        n = min(len(old), len(new)) // bt * bt
+        naive = 0
+        while naive < n // bt and old[naive * bt:(naive + 1) * bt] == new[naive * bt:(naive + 1) * bt]:
+            naive += 1
+        assert _shared_blocks(old, new, n, bt) == naive

@@ -35,12 +35,32 @@ def extend_block_hashes(
     return hashes
 
 
+def _shared_blocks(old: list[int], new: list[int], n: int, block_tokens: int) -> int:
+    """How many whole blocks the first `n` tokens of `old` and `new` share
+    (`n`: a multiple of `block_tokens`, at most either length). The usual
+    case (the prompt grew) costs one list comparison; a prompt that differs
+    somewhere (a new question after the same history, an edit) a binary
+    search whose comparisons halve, about two more in all."""
+    if n == 0 or (old[n - 1] == new[n - 1] and old[:n] == new[:n]):
+        return n // block_tokens
+    lo, hi = 0, n // block_tokens  # the first lo blocks are shared, the first hi are not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        a, b = lo * block_tokens, mid * block_tokens
+        if old[a:b] == new[a:b]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class PrefixHashMemo:
     """The block hashes of recently hashed token sequences, reused for a new
     sequence that begins with one of them.
 
     An agent resends its whole history every step: hashing a 512K-token prompt
-    again costs ~30 ms, comparing it with the last one a few. One entry per
+    again costs ~30 ms, comparing it with the last one a few. The blocks the
+    two share from the start are reused, whatever follows them. One entry per
     `(salt, key)` (`key`: the session id, or None for a tenant's requests
     without one), holding a copy of the tokens (callers may rewrite theirs)
     and their hashes; the least recently used entries go once the entries
@@ -64,13 +84,12 @@ class PrefixHashMemo:
         full = len(token_ids) // bt * bt
         entry = self._entries.pop((salt, key), None)
         out: list[bytes] = []
-        if entry is not None:  # its tokens are whole blocks, one hash each
+        if entry is not None and isinstance(token_ids, list):  # its tokens are whole blocks, one hash each
             self._tokens -= len(entry[0])
             old_tokens, old_hashes = entry
-            n = min(len(old_tokens), full)
-            old = old_tokens if n == len(old_tokens) else old_tokens[:n]  # the usual case: the prompt grew
-            if n and token_ids[n - 1] == old[n - 1] and old == token_ids[:n]:  # lists (other types: no reuse)
-                out = old_hashes[: n // bt]
+            out = old_hashes[: _shared_blocks(old_tokens, token_ids, min(len(old_tokens), full), bt)]
+        elif entry is not None:  # other sequence types: no reuse
+            self._tokens -= len(entry[0])
         extend_block_hashes(out, token_ids, bt, salt)
         if full <= self.capacity_tokens:
             kept = token_ids[:full]  # a copy: callers may rewrite their list
