@@ -14,8 +14,12 @@ then times, on the host (median of `--steps`):
   step, where the GPU is idle at that point;
 * `rows`: the capture's row tensors moved to the device (`to_device`, twice);
 * `take`: `StepCapture.take` for every layer (two `index_select`s each);
+  with `--paged`, nothing (the path CUDA workers take where the paged cache
+  has vLLM 0.26 FlashAttention's packed layout);
 * `write`: `CaptureWriter.write` (rotation by the view's delta, pitched
-  device->host copies into the pinned pool, asynchronous);
+  device->host copies into the pinned pool, asynchronous); with `--paged`
+  preceded by `StepCapture.gather` (one launch reading every layer's rows
+  from the paged caches, rotation fused);
 * `settle`: the next step's wait for those copies.
 
 Writes OUT.json and OUT.md.
@@ -31,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_sekv import compat
 from vllm_sekv.ops import RopeSpec
 from vllm_sekv.store import HostPool
 from vllm_sekv.store.capture import CaptureWriter, StepCapture
@@ -43,6 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=1, help="batch rows per step (decode: 1)")
+    ap.add_argument("--paged", action="store_true", help="gather from paged caches after the forward")
     ap.add_argument("--out", default="benchmarks/results/gpu/bench_capture")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -54,6 +60,10 @@ def main() -> None:
     keys = [t[:, HQ * D:(HQ + H) * D].view(-1, H, D) for t in qkv]
     values = [t[:, (HQ + H) * D:].view(-1, H, D) for t in qkv]
     slot_mapping = torch.arange(args.tokens, device=dev) + 1000
+    pages = 1000 // 16 + args.tokens // 16 + 2
+    caches = [torch.randn(pages, H, 16, 2 * D, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    views = [compat.paged_kv_views(c, H, D) for c in caches]  # vLLM 0.26 FlashAttention's packed layout
+    cache_views = ([k for k, _ in views], [v for _, v in views])
     busy = torch.randn(4096, 4096, device=dev)
     parts: dict[str, list[float]] = {k: [] for k in ("sync", "rows", "take", "write", "settle", "total")}
     for step in range(args.steps + 10):
@@ -63,14 +73,17 @@ def main() -> None:
         t1 = time.perf_counter()
         mapping = slot_mapping.cpu().numpy()
         t2 = time.perf_counter()
-        rows = to_device(np.argsort(mapping), dev)
+        rows = to_device(mapping if args.paged else np.argsort(mapping), dev)
         deltas = to_device(np.full(args.tokens, 12345, dtype=np.int64), dev)
         host_rows = (np.arange(args.tokens) + step * args.tokens) % (64 * 32)
-        cap = StepCapture(rows, host_rows, deltas, LAYERS, H, D, torch.bfloat16)
+        cap = StepCapture(rows, host_rows, deltas, LAYERS, H, D, torch.bfloat16, paged=args.paged)
         t3 = time.perf_counter()
-        for layer in range(LAYERS):
-            cap.take(layer, keys[layer], values[layer])
+        if not args.paged:
+            for layer in range(LAYERS):
+                cap.take(layer, keys[layer], values[layer])
         t4 = time.perf_counter()
+        if args.paged:
+            assert cap.gather(*cache_views, rope)
         assert writer.write(cap, rope)
         t5 = time.perf_counter()
         if step >= 10:
@@ -81,8 +94,10 @@ def main() -> None:
     writer.settle()
     result = {k: statistics.median(v) for k, v in parts.items()}
     result["take_per_layer_us"] = result["take"] / LAYERS
-    lines = [f"# Capture host time per step ({args.tokens} tokens, {LAYERS} layers; median of {args.steps})", "",
-             "    python benchmarks/gpu/bench_capture.py " + f"--steps {args.steps} --tokens {args.tokens}", "",
+    mode = "paged (gathered after the forward)" if args.paged else "layer by layer"
+    lines = [f"# Capture host time per step ({args.tokens} tokens, {LAYERS} layers, {mode}; median of {args.steps})",
+             "", "    python benchmarks/gpu/bench_capture.py " + f"--steps {args.steps} --tokens {args.tokens}"
+             + (" --paged" if args.paged else ""), "",
              "| part | us |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in result.items()]
     out = Path(args.out)

@@ -75,14 +75,17 @@ class StepCapture:
         self.deltas = deltas
         self.kv = torch.empty((2, num_layers, len(host_rows), kv_heads, head_dim), dtype=dtype,
                               device=rows.device)
-        self._keys, self._values = self.kv[0].unbind(0), self.kv[1].unbind(0)  # per-layer views, made once
+        self._layer_views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # for `take`
         self._missing = set(range(num_layers))
         self._expected: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def take(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep layer `layer`'s planned rows of `key`/`value` `[tokens, kv_heads, head_dim]`."""
         rows = self.rows
-        for src, dst in ((key, self._keys[layer]), (value, self._values[layer])):
+        if self._layer_views is None:  # per-layer views of the buffer, made once
+            self._layer_views = (self.kv[0].unbind(0), self.kv[1].unbind(0))
+        keys, values = self._layer_views
+        for src, dst in ((key, keys[layer]), (value, values[layer])):
             if src.dtype == dst.dtype:
                 torch.index_select(src, 0, rows, out=dst)
             else:
