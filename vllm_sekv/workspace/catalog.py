@@ -265,10 +265,13 @@ class BlockCatalog:
     # --------------------------------------------------------------- uses
 
     def touch(self, records: Iterable[BlockRecord]) -> None:
-        """Record a use (a restore) of committed blocks, for both policies."""
-        for rec in records:
-            self._host_policy.touch(rec.block_hash)
-            self._nvme_policy.touch(rec.block_hash)
+        """Record a use (a restore) of committed blocks, for both policies
+        (the NVMe one only with an NVMe tier: without, it orders nothing)."""
+        records = records if isinstance(records, list) else list(records)
+        policies = [self._host_policy.touch] + ([self._nvme_policy.touch] if self.nvme_enabled else [])
+        for touch in policies:
+            for rec in records:
+                touch(rec.block_hash)
 
     def pin(self, records: Iterable[BlockRecord]) -> None:
         for rec in records:
