@@ -4,16 +4,16 @@ The wrapper subclasses the platform's backend and impl classes and changes two
 things: after the platform writes a step's K (post-RoPE) and V into the paged
 cache, it hands the same tensors — `[tokens, kv_heads, head_dim]`, straight
 from the attention layer's inputs — to the active sekv connector's
-`capture_kv(layer, key, value, slot_mapping)` while the connector's
-`capture_layers` asks for it (a CUDA decode step: the first layer only); and, in steps where the
-connector's `attention_hooks` is true, before attention it shows the layer's
-queries to `observe_queries(layer, query)` (a probe scores the block index with
-them), after making sure the layer's restored KV is written
-(`wait_for_layer_load`, which vLLM normally calls just before), and after
-attention it lets `merge_coarse(layer, query, output, scale)` merge SeKV
-summaries into the output in place. Other steps (decode) pay one attribute
-read per layer before attention. The paged cache is never parsed by hand (its layout
-is platform-specific; the CPU one is transposed).
+`capture_kv(layer, key, value, slot_mapping)`, for as long as the connector's
+`capture_layers` asks for them (in a CUDA decode step only the first layer's:
+the capture reads the paged cache after the forward, `compat.paged_kv_views`);
+and, in steps where the connector's `attention_hooks` is true, before
+attention it shows the layer's queries to `observe_queries(layer, query)` (a
+probe scores the block index with them), after making sure the layer's
+restored KV is written (`wait_for_layer_load`, which vLLM normally calls just
+before), and after attention it lets `merge_coarse(layer, query, output,
+scale)` merge SeKV summaries into the output in place. Other steps (decode)
+pay two attribute reads per layer.
 
 `write_kv` is the restore path: the platform's own cache-update op, without
 capture, so restored KV is not captured again.
