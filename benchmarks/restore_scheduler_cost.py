@@ -6,7 +6,10 @@ for a follow-up step whose whole history (`--tokens`, 32-token blocks) is in
 the workspace, plus 64 new tokens, no session. Wall-clock times of the
 engine-core-side Python alone (no profiler), median of 5 steps after two
 warm-ups. On the GPU machine these run before the restore's first copy, so
-they add to its time to first token.
+they add to its time to first token. Then `decode`: the plan and
+confirmation of one decode step of the restored request (one new token
+captured each step; median of 200 steps), host time that a host-bound decode
+adds to every token.
 
     python benchmarks/restore_scheduler_cost.py --tokens 65536
 """
@@ -60,6 +63,23 @@ def main() -> None:
     total = statistics.median(sum(r.values()) for r in runs)
     print(f"restore of {args.tokens} tokens, scheduler side: " + ", ".join(
         f"{k} {statistics.median(r[k] for r in runs) * 1e3:.2f} ms" for k in runs[0]) + f"; total {total * 1e3:.2f} ms")
+
+    tokens = history + [rng.randrange(1000, 128000) for _ in range(64)]
+    n = planner.match("decode", tokens, "", None, 0)
+    planner.set_paged_blocks("decode", list(range(len(tokens) // PAGED_BLOCK + 256)), replace=True)
+    planner.accept_restore("decode", n)
+    plan = planner.plan_step({"decode": (n, len(tokens) - n)}, lambda r: tokens)
+    planner.confirm(plan.step_id, set(), lambda r: tokens)
+    seconds = []
+    for _ in range(220):
+        position = len(tokens)
+        tokens.append(rng.randrange(1000, 128000))  # the token sampled last step, computed in this one
+        t0 = time.perf_counter()
+        plan = planner.plan_step({"decode": (position, 1)}, lambda r: tokens)
+        planner.confirm(plan.step_id, set(), lambda r: tokens)
+        seconds.append(time.perf_counter() - t0)
+        assert len(plan.capture_paged_slots) == 1
+    print(f"decode step of the restored request, scheduler side: {statistics.median(seconds[20:]) * 1e6:.1f} us")
 
 
 if __name__ == "__main__":

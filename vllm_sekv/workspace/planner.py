@@ -309,9 +309,15 @@ class WorkspacePlanner:
             st.paged_block_ids.extend(block_ids)
 
     def _paged_slots(self, st: RequestState, positions: np.ndarray) -> np.ndarray:
-        ids = np.asarray(st.paged_block_ids, dtype=np.int64)
+        """vLLM's paged slot of each of the request's `positions`. Converts
+        only the block ids they fall in (a decode step: one of thousands)."""
         pbs = self.paged_block_size
-        return ids[positions // pbs] * pbs + positions % pbs
+        blocks = positions // pbs
+        if not len(blocks):
+            return blocks
+        first, last = int(blocks.min()), int(blocks.max())
+        ids = np.asarray(st.paged_block_ids[first:last + 1], dtype=np.int64)
+        return ids[blocks - first] * pbs + positions % pbs
 
     def plan_step(
         self, scheduled: dict[str, tuple[int, int]], tokens_of: TokenSource
