@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel import _common_strides, _pointer_table, rope_cos_sin, rope_pairs
+from .kernel import _common_strides, _pointer_table, rope_cos_sin, rope_pairs, rotary_half
 from .reference import RopeSpec
 from .scatter_reference import check_gather_args
 
@@ -83,20 +83,17 @@ def gather_rerope(key_caches: Sequence[torch.Tensor], value_caches: Sequence[tor
     _, layers, n, heads, head_dim = out.shape
     if n == 0 or layers == 0:
         return out
-    rd = rope.rotary_dim
-    if rd % 2 or rd > head_dim or rope.inv_freq.numel() != rd // 2:
-        raise ValueError(f"rotary_dim {rd} / inv_freq {rope.inv_freq.numel()} do not fit head_dim {head_dim}")
+    half = rotary_half(rope, head_dim)
     ks = _common_strides(key_caches, "key cache")
     vs = _common_strides(value_caches, "value cache")
     cos, sin = rope_cos_sin(delta_positions, rope, device) if delta_positions is not None else (out, out)
-    half = rd // 2
     grid = (triton.cdiv(n, block_t), heads, layers)
     _gather_rerope_kernel[grid](
         out, slots, cos, sin, _pointer_table(key_caches), _pointer_table(value_caches),
         n, heads, key_caches[0].shape[1], out.stride(0), out.stride(1), out.stride(2),
         ks[0], ks[1], ks[2], ks[3], vs[0], vs[1], vs[2], vs[3],
         HEAD_DIM=head_dim, HALF=half, IS_NEOX=rope.is_neox_style, HAS_DELTA=delta_positions is not None,
-        HAS_PASS=rd < head_dim, BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+        HAS_PASS=2 * half < head_dim, BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, enable_fp_fusion=False,
     )
     return out

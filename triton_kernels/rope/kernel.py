@@ -43,6 +43,15 @@ def rope_cos_sin(delta_positions: torch.Tensor, rope: RopeSpec, device: torch.de
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Triton's interpreter
 
 
+def rotary_half(rope: RopeSpec, head_dim: int) -> int:
+    """Half the rope's rotary dims (the kernels' HALF); ValueError if it does
+    not fit `head_dim` (odd or too many rotary dims, inv_freq of another size)."""
+    rd = rope.rotary_dim
+    if rd % 2 or rd > head_dim or rope.inv_freq.numel() != rd // 2:
+        raise ValueError(f"rotary_dim {rd} / inv_freq {rope.inv_freq.numel()} do not fit head_dim {head_dim}")
+    return rd // 2
+
+
 @triton.jit
 def rope_pairs(toks, t_mask, COS, SIN, HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """The rotation's pairs of dims, (i, i + HALF) (neox) or (2i, 2i + 1)
@@ -171,16 +180,13 @@ def scatter_rerope(
     if staging.dtype not in _TORCH_TO_TL:
         raise ValueError(f"unsupported dtype {staging.dtype}")
     _, _, num_layers, block_tokens, kv_heads, head_dim = staging.shape
-    rd = rope.rotary_dim
-    if rd % 2 or rd > head_dim or rope.inv_freq.numel() != rd // 2:
-        raise ValueError(f"rotary_dim {rd} / inv_freq {rope.inv_freq.numel()} do not fit head_dim {head_dim}")
+    half = rotary_half(rope, head_dim)
     ks = _common_strides(key_caches, "key cache")
     vs = _common_strides(value_caches, "value cache")
     num_tokens = num_batch_blocks * block_tokens
     slots = slot_mapping.to(device=device, dtype=torch.int64, non_blocking=True)
     cos, sin = rope_cos_sin(delta_positions, rope, device)
     rows = None if src_rows is None else src_rows.to(device=device, dtype=torch.int64, non_blocking=True)
-    half = rd // 2
     heads_per_prog = max(1, min(heads_per_prog, kv_heads))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(kv_heads, heads_per_prog), num_layers)
     _scatter_rerope_kernel[grid](
@@ -189,7 +195,7 @@ def scatter_rerope(
         num_tokens, kv_heads, key_caches[0].shape[1], staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
         ks[0], ks[1], ks[2], ks[3], vs[0], vs[1], vs[2], vs[3],
         HEAD_DIM=head_dim, HALF=half, BLOCK_TOKENS=block_tokens,
-        IS_NEOX=rope.is_neox_style, HAS_SRC_ROWS=rows is not None, HAS_PASS=rd < head_dim,
+        IS_NEOX=rope.is_neox_style, HAS_SRC_ROWS=rows is not None, HAS_PASS=2 * half < head_dim,
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_PROG=heads_per_prog, num_warps=4,
     )

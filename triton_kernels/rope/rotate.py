@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel import rope_cos_sin, rope_pairs
+from .kernel import rope_cos_sin, rope_pairs, rotary_half
 from .reference import RopeSpec
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU debugging via Triton's interpreter
@@ -66,9 +66,7 @@ def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpe
         raise ValueError("the Triton rotation needs CUDA keys")
     tokens, heads, head_dim = keys.shape[-3:]
     layers = keys.shape[0] if keys.dim() == 4 else 1
-    rd = rope.rotary_dim
-    if rd % 2 or rd > head_dim or rope.inv_freq.numel() != rd // 2:
-        raise ValueError(f"rotary_dim {rd} / inv_freq {rope.inv_freq.numel()} do not fit head_dim {head_dim}")
+    half = rotary_half(rope, head_dim)
     out = torch.empty_like(keys) if out is None else out
     if out.shape != keys.shape or out.dtype != keys.dtype:
         raise ValueError("out must have the keys' shape and dtype")
@@ -77,13 +75,12 @@ def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpe
     if keys.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("keys and out need a contiguous head_dim")
     cos, sin = tables if tables is not None else rope_cos_sin(delta_positions, rope, keys.device)
-    half = rd // 2
     grid = (triton.cdiv(tokens, block_t), heads, layers)
     x_sl, y_sl = (keys.stride(0), out.stride(0)) if keys.dim() == 4 else (0, 0)
     _rotate_kernel[grid](
         keys, out, cos, sin, tokens, heads, x_sl, keys.stride(-3), keys.stride(-2),
         y_sl, out.stride(-3), out.stride(-2),
-        HEAD_DIM=head_dim, HALF=half, IS_NEOX=rope.is_neox_style, HAS_PASS=rd < head_dim,
+        HEAD_DIM=head_dim, HALF=half, IS_NEOX=rope.is_neox_style, HAS_PASS=2 * half < head_dim,
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, enable_fp_fusion=False,
     )
