@@ -111,6 +111,26 @@ def test_cuda_reap_never_waits_for_a_copy_still_running():
     assert not writer._pending  # done copies are let go
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and cudart.available()), reason="asynchronous path: CUDA only")
+def test_cuda_order_makes_a_reader_on_another_stream_wait_for_the_captures_copies():
+    """A GPU index update reads the pool through the copy engine on its own
+    stream: `order` makes that stream wait for the captures still being
+    copied in, without the host waiting."""
+    pool = HostPool(2, LAYERS, BT, H, D, torch.bfloat16, pin_memory=True)
+    pool.data.zero_()
+    writer = CaptureWriter(pool, torch.device("cuda"))
+    cap, seen = _capture("cuda", [4, 5, 6, 7], None, seed=4)
+    torch.cuda._sleep(1_000_000_000)  # the copy starts about half a second from now
+    assert writer.write(cap, ROPE)
+    reader = torch.cuda.Stream()
+    writer.order(reader)
+    with torch.cuda.stream(reader):
+        keys = pool.slot_keys_on([1], torch.device("cuda"))
+    assert not reader.query()  # queued behind the capture's copy; the host went on
+    reader.synchronize()
+    assert torch.equal(keys.cpu(), _expected(2, [4, 5, 6, 7], seen, None, torch.bfloat16)[1, 0])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and cudart.available()), reason="CUDA only"))])
 def test_a_paged_capture_gathered_from_the_caches_stores_the_same_bytes(device):

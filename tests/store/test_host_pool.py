@@ -95,3 +95,17 @@ def test_a_pinned_pool_is_page_locked_at_its_own_size_and_round_trips_through_th
     back.copy_(on_gpu, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, pool.data)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() and cudart.available()), reason="CUDA only"))])
+def test_slot_keys_on_a_device_are_the_slots_keys(device):
+    """`slot_keys_on` (a GPU index's read): the keys of whole slots, in the
+    order asked, runs of consecutive slots copied by the copy engine on CUDA."""
+    pool = HostPool(num_slots=9, num_layers=2, block_tokens=4, kv_heads=2, head_dim=8, dtype=torch.bfloat16,
+                    pin_memory=device == "cuda")
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(2)))
+    slots = [3, 4, 5, 0, 8, 7]
+    keys = pool.slot_keys_on(slots, torch.device(device))
+    assert keys.device.type == device
+    assert torch.equal(keys.cpu(), pool.data[torch.tensor(slots), 0])

@@ -37,7 +37,10 @@ def _run(pool, device, order, depth, stream=None):
     job.finish()
     if device == "cuda":
         torch.cuda.synchronize()
-        assert job.transfer_seconds() > 0
+        start, end = job.transfer_events()
+        assert start.elapsed_time(end) > 0
+    else:
+        assert job.transfer_events() is None
     return written
 
 

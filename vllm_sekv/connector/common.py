@@ -4,6 +4,7 @@ the per-step plan (scheduler -> worker) and the step report (worker -> scheduler
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -45,9 +46,27 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     # values float32, NaN where unknown). Only the rank that holds the logits
     # computes it; the first non-empty report is kept.
     surprisal: tuple[np.ndarray, np.ndarray] | None = None
+    # Facts the device still has to tell (`device_reports`: restore timings,
+    # paged capture checks), folded into `restore_seconds` and `failed_slots`
+    # by `settled()`. Read those two only from `settled()`.
+    pending: list[Any] = field(default_factory=list)
+
+    def settled(self) -> "SekvWorkerMeta":
+        """This report with every pending device fact read in (it waits if the
+        step's last copies still run, which once vLLM hands the report over
+        they do not: see `device_reports`)."""
+        for fact in self.pending:
+            fact.apply(self.restore_seconds, self.failed_slots)
+        self.pending = []
+        return self
+
+    def __getstate__(self) -> dict:
+        """Sent to another process settled: CUDA events do not travel."""
+        return dict(self.settled().__dict__)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "SekvWorkerMeta":
         assert isinstance(other, SekvWorkerMeta)
+        self.settled(), other.settled()
         seconds = dict(self.restore_seconds)
         for req_id, s in other.restore_seconds.items():
             seconds[req_id] = max(s, seconds.get(req_id, 0.0))

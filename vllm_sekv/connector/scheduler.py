@@ -172,6 +172,7 @@ class SekvSchedulerSide:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, SekvWorkerMeta):
             return
+        meta = meta.settled()
         for req_id, seconds in meta.restore_seconds.items():
             st = self.planner.requests.get(req_id)
             if st is not None:

@@ -2,10 +2,12 @@
 restores KV into vLLM's paged cache and captures new K/V out of the forward.
 
 Runs in each worker process, on the forward thread, in this order per step:
-  `bind`           (before the forward) wait for the last step's captures to
-                   land in the host pool; index the blocks committed since the
-                   last probe, in one batch before the next one (a GPU index,
-                   on CUDA: every step);
+  `bind`           (before the forward) if the step reads the host tier on
+                   the host, wait for the last steps' captures to land in it
+                   (readers on the device wait there instead,
+                   `CaptureWriter.order`); index the blocks committed since
+                   the last probe, in one batch before the next one (a GPU
+                   index, on CUDA: every step but restores);
   `start_load_kv`  restore planned rows through the
                    platform's own cache-update op, keys re-RoPE'd to the view's
                    positions where the plan says so. On CPU blocking, before
@@ -16,10 +18,11 @@ Runs in each worker process, on the forward thread, in this order per step:
   `wait_for_layer_load` (vLLM, and the attention hook as a safety net) before
                    each layer's attention: a layerwise restore writes that
                    layer and enqueues the copy of a later one; never blocks;
-  `capture_kv`     called by the attention hook once per layer, right after
-                   the platform wrote that layer's K/V: gathers the planned
-                   rows into the step's device buffer (`StepCapture`; no copy
-                   to the host, no synchronization);
+  `capture_kv`     called by the attention hook right after the platform
+                   wrote a layer's K/V: at the first layer finds the planned
+                   rows in the batch; for a layer-by-layer capture, at every
+                   layer, gathers them into the step's device buffer
+                   (`StepCapture`; no copy to the host, no synchronization);
   `observe_queries` called by the attention hook once per layer before
                    attention: a probe's queries score candidate blocks of the
                    index (accumulated over the probe's steps);
@@ -27,15 +30,22 @@ Runs in each worker process, on the forward thread, in this order per step:
                    surprisal of the step's captured tokens (`SurprisalRecorder`);
   `build_worker_meta` after the forward: stores the step's captured rows of
                    every layer into the host pool, keys rotated to their
-                   virtual positions (`CaptureWriter`: on CUDA pitched
+                   virtual positions (a paged capture reads them from the
+                   paged caches here; `CaptureWriter`: on CUDA pitched
                    device->host copies straight into the pinned pool on a
-                   side stream, settled at the next `bind`),
-                   writes any layer a layerwise restore
-                   still holds (the cache never keeps stale KV), reports the
-                   step as done, with capture failures, restore times and the
-                   NVMe reads and writes finished so far.
+                   side stream), writes any layer a layerwise restore still
+                   holds (the cache never keeps stale KV), reports the step
+                   as done, with capture failures, restore times and the NVMe
+                   reads and writes finished so far.
 Only the host slots named by the plan are written. A capture row missing from
 the batch marks its slot failed: the scheduler side then never commits it.
+
+On CUDA no step waits for the GPU unless it reads the host tier on the host,
+probes, or builds coarse summaries: what only the device knows at report
+time (a restore's transfer time; whether a paged capture's slots were in the
+batch, checked on the device) travels in the report unread and is read with
+it (`device_reports`). Under asynchronous scheduling the next step is
+prepared while this one runs.
 
 With an NVMe tier, `bind` hands the plan's writes (of committed slots) and
 reads (into promoted slots) to `RecordIO`'s threads; they never block the
@@ -54,6 +64,7 @@ from vllm_sekv import compat
 from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.connector.coarse import CoarseAttention, StepRows
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
+from vllm_sekv.connector.device_reports import CaptureCheck, RestoreTiming
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.connector.surprisal import SurprisalRecorder
@@ -114,7 +125,11 @@ class SekvWorkerSide:
         self.records: RecordIO | None = None
         self.index: BlockIndex | None = None
         self.pipeline: RestorePipeline | None = None  # CUDA: batched, overlapped host->device restores
-        self._restore_events: list[tuple[str, Any, Any]] = []  # CUDA: (req_id, start, end) to time
+        # This step's facts still on the device (CUDA restore timings, paged
+        # capture checks): its report carries them unread (`device_reports`);
+        # `_unsettled` keeps them until they are in, for stats and warnings.
+        self._device_reports: list[RestoreTiming | CaptureCheck] = []
+        self._unsettled: list[RestoreTiming | CaptureCheck] = []
         self._layerwise: LayerwiseRestore | None = None  # CUDA: this step's layer-by-layer restore
         self._layerwise_shares: list[tuple[str, float]] = []  # (req_id, share of its blocks)
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -158,8 +173,10 @@ class SekvWorkerSide:
         self.surprisal: SurprisalRecorder | None = None
         self._index_surprisal: dict[int, np.ndarray] = {}
         self._read_surprisal: list[tuple[np.ndarray, np.ndarray]] = []  # (host rows, values) read back
-        # This step's slot mapping, sorted once (set by the first layer):
+        # Whether this step's forward reached its first layer, and the step's
+        # slot mapping sorted once there, when something needs batch rows:
         # (batch row of each sorted slot, the sorted slots).
+        self._forward_begun = False
         self._step_mapping: tuple[np.ndarray, np.ndarray] | None = None
         # SeKV zoom router (config `router_path`): scores probes instead of Mean-K.
         self.router: Any = None
@@ -257,11 +274,12 @@ class SekvWorkerSide:
     def bind(self, metadata: SekvMetadata) -> None:
         plan = self._plan = metadata.plan
         if self.capture_writer is not None:
-            if self._reads_pool(plan):
-                self.capture_writer.settle()  # the last steps' captures are in the pool before anything reads it
+            if self._reads_pool_on_host(plan):
+                self.capture_writer.settle()  # the last steps' captures are in the pool before the host reads it
             else:
-                self.capture_writer.reap()
+                self.capture_writer.reap()  # readers on the device wait there (`CaptureWriter.order`)
         self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = self._check_rows = None
+        self._forward_begun = False
         self.capture_layers = bool(len(plan.capture_paged_slots) or plan.scores or plan.coarse or plan.surprisal)
         # Set here, not in `start_load_kv`: vLLM 0.32 starts the loads of a step
         # without synchronous ones after its forward (a layerwise restore, which
@@ -289,12 +307,17 @@ class SekvWorkerSide:
         if self.pool is not None:
             self._update_index(plan)
 
-    def _reads_pool(self, plan: StepPlan) -> bool:
-        """Whether this step reads or rewrites host-tier rows other than by
-        capturing (captures are copied in order on one stream): restores, index
-        updates, probes, coarse summaries, NVMe reads and writes."""
-        return bool(plan.restores or plan.index_blocks or self._index_pending or plan.scores or plan.coarse
-                    or plan.nvme_reads or plan.nvme_writes)
+    def _reads_pool_on_host(self, plan: StepPlan) -> bool:
+        """Whether this step reads or rewrites host-tier rows on the host:
+        restores on CPU and lossy ones, index updates (before probes too) of
+        an index on the host, coarse summaries, NVMe reads and writes. CUDA
+        restores and a GPU index read through the copy engine, ordered after
+        the captures on the device: under asynchronous scheduling such a step
+        never waits for the one before it."""
+        device_index = self.index is not None and self.index.device.type == "cuda"
+        host_restores = self.pipeline is None or any(op.lowrank for op in plan.restores)
+        return bool((plan.restores and host_restores) or plan.coarse or plan.nvme_reads or plan.nvme_writes
+                    or (not device_index and (plan.index_blocks or self._index_pending or plan.scores)))
 
     def _update_index(self, plan: StepPlan) -> None:
         """Index the blocks committed since the last probe, before this step's
@@ -311,6 +334,8 @@ class SekvWorkerSide:
             if self.index.kind.uses_weights:
                 nan = np.full(self.config.block_tokens, np.nan, dtype=np.float32)
                 surprisal = torch.from_numpy(np.stack([self._index_surprisal.pop(s, nan) for s in latest]))
+            if self.index.device.type == "cuda":
+                self.capture_writer.order(torch.cuda.current_stream(self.index.device))
             self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
 
     def start_load_kv(self, forward_context: Any) -> None:
@@ -465,6 +490,7 @@ class SekvWorkerSide:
         l) or batched (`RestorePipeline`: whole slots, every layer written
         before the forward), per `restore_mode`. Timed with CUDA events, read
         after the forward (`build_worker_meta`)."""
+        self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
         layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, self.config.block_tokens) for op in ops]
         host_slots = np.concatenate([slots for slots, _, _ in layouts])
         rerope = any(op.rope_deltas is not None for op in ops)
@@ -472,8 +498,8 @@ class SekvWorkerSide:
         if mode == "auto":
             mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
         if mode == "layerwise" and cudart.available():  # auto without libcudart: batched
-            mapping = torch.from_numpy(np.concatenate([m for _, m, _ in layouts])).to(self.pipeline.device)
-            deltas = torch.from_numpy(np.concatenate([d for _, _, d in layouts])).to(self.pipeline.device)
+            mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.pipeline.device)
+            deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.pipeline.device)
             write = self._layer_writer(forward_context, mapping, deltas if rerope else None)
             job = LayerwiseRestore(self.pool.data, host_slots, write, self.pipeline.device,
                                    copy_stream=self.pipeline.copy_stream)
@@ -485,10 +511,10 @@ class SekvWorkerSide:
             writer = self._layer_writer(forward_context, None, None, rerope=op.rope_deltas is not None)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self.pipeline.restore(self.pool.data, slots.tolist(), (), (), torch.from_numpy(mapping),
-                                  torch.from_numpy(deltas), self.rope, write=writer.batch)
+            self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.pipeline.device),
+                                  to_device(deltas, self.pipeline.device), self.rope, write=writer.batch)
             end.record()
-            self._restore_events.append((op.req_id, start, end))
+            self._device_reports.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
 
     def _layer_writer(self, forward_context: Any, mapping: torch.Tensor | None,
                       deltas: torch.Tensor | None, rerope: bool = False) -> "_LayerWriter":
@@ -501,9 +527,10 @@ class SekvWorkerSide:
     def capture_kv(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        if self._step_mapping is None:  # the forward's first layer
+        if not self._forward_begun:  # the forward's first layer
             if self._plan is None or self.pool is None:
                 return
+            self._forward_begun = True
             self._begin_forward(key, slot_mapping)
             layerwise = self._capture is not None and not self._capture.paged
             self.capture_layers = bool(self._coarse_rows) or layerwise  # later layers
@@ -520,8 +547,18 @@ class SekvWorkerSide:
 
     def _begin_forward(self, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Once per forward, at its first layer: where the plan's rows sit in
-        this batch (one slot mapping serves every layer)."""
+        this batch (one slot mapping serves every layer). The mapping is read
+        on the host, a device synchronization, only when something needs
+        batch rows: probes, coarse rows, a layer-by-layer capture, the first
+        paged capture (it checks the cache views), SeKV surprisal. Otherwise a
+        paged capture checks its slots against the batch on the device
+        (`CaptureCheck`): a decode step never waits for the GPU."""
         plan = self._plan
+        capture = len(plan.capture_paged_slots) > 0
+        rows_needed = bool(plan.scores or plan.coarse or plan.surprisal)
+        if capture and self._views_checked and self._cache_views is not None and not rows_needed:
+            self._capture = self._paged_capture(plan, slot_mapping)
+            return
         mapping = slot_mapping.cpu().numpy()
         order = np.argsort(mapping, kind="stable")
         self._step_mapping = (order, mapping[order])
@@ -532,7 +569,7 @@ class SekvWorkerSide:
             for op in plan.coarse:
                 found, rows = self._step_rows(op.query_paged_slots)
                 self._coarse_rows.append((op.req_id, StepRows.of(rows, op.query_positions[found], key.device)))
-        if len(plan.capture_paged_slots):
+        if capture:
             self._capture = self._resolve_capture(plan, slot_mapping.device)
 
     def _flush_captures(self) -> None:
@@ -578,15 +615,32 @@ class SekvWorkerSide:
         if not len(rows):
             return None
         deltas = plan.capture_rope_deltas[found] if len(plan.capture_rope_deltas) else None
-        deltas = to_device(deltas, device) if deltas is not None and deltas.any() else None
-        self.stats.add("captured_tokens", len(rows))
-        geo = self.geometry
         paged = self._cache_views is not None  # read from the caches after the forward, by paged slot
         if paged and not self._views_checked:
             self._check_rows = to_device(rows, device)
         rows = plan.capture_paged_slots[found] if paged else rows
-        return StepCapture(to_device(rows, device), plan.capture_host_rows[found], deltas,
-                           geo.num_layers, geo.kv_heads, geo.head_dim, self.pool.data.dtype, paged)
+        return self._new_capture(to_device(rows, device), plan.capture_host_rows[found], deltas, paged)
+
+    def _paged_capture(self, plan: StepPlan, slot_mapping: torch.Tensor) -> StepCapture:
+        """The capture of every planned row, read from the paged caches after
+        the forward; whether the batch wrote each planned slot is checked on
+        the device (`CaptureCheck`, in the step's report): a slot it did not
+        write fails its host slot there, never committed."""
+        slots = to_device(plan.capture_paged_slots, slot_mapping.device)
+        self._device_reports.append(
+            CaptureCheck(slots, slot_mapping, plan.capture_host_rows // self.config.block_tokens))
+        deltas = plan.capture_rope_deltas if len(plan.capture_rope_deltas) else None
+        return self._new_capture(slots, plan.capture_host_rows, deltas, paged=True)
+
+    def _new_capture(self, rows: torch.Tensor, host_rows: np.ndarray, deltas: np.ndarray | None,
+                     paged: bool) -> StepCapture:
+        """A capture of `rows` (batch rows; paged slots if `paged`) into
+        `host_rows`, keys moved by `deltas` (None or all zero: not moved)."""
+        deltas = to_device(deltas, rows.device) if deltas is not None and deltas.any() else None
+        self.stats.add("captured_tokens", len(host_rows))
+        geo = self.geometry
+        return StepCapture(rows, host_rows, deltas, geo.num_layers, geo.kv_heads, geo.head_dim,
+                           self.pool.data.dtype, paged)
 
     def _resolve_probe_rows(
         self, plan: StepPlan, slot_mapping: torch.Tensor
@@ -694,16 +748,12 @@ class SekvWorkerSide:
         job, self._layerwise = self._layerwise, None
         if job is not None:
             job.finish()  # layers the forward did not reach: the cache never keeps stale KV
-            seconds = job.transfer_seconds()
-            for req_id, share in self._layerwise_shares:
-                self._restore_seconds[req_id] = seconds * share
-            self.stats.add("restore_seconds", seconds)
-        for req_id, start, end in self._restore_events:  # the forward is done: cheap to read
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1000.0
-            self._restore_seconds[req_id] = seconds
-            self.stats.add("restore_seconds", seconds)
-        self._restore_events = []
+            events = job.transfer_events()
+            if events is not None:
+                self._device_reports.append(RestoreTiming(*events, self._layerwise_shares))
+        self._count_device_reports()
+        reports, self._device_reports = self._device_reports, []
+        self._unsettled += reports
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
         nvme = self._drain_nvme()
         parts, self._read_surprisal = self._read_surprisal, []  # blocks read back: their records' surprisal
@@ -716,9 +766,23 @@ class SekvWorkerSide:
         if parts:
             surprisal = (np.concatenate([r for r, _ in parts]), np.concatenate([v for _, v in parts]))
         meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
-                              nvme, self._scores_done, surprisal)
+                              nvme, self._scores_done, surprisal, pending=reports)
         self._failed_slots, self._restore_seconds, self._scores_done = set(), {}, {}
         return meta
+
+    def _count_device_reports(self, wait: bool = False) -> None:
+        """Stats and warnings of the device facts that are in (with `wait`:
+        of every one, waiting for them); the rest wait for a later step."""
+        waiting = []
+        for fact in self._unsettled:
+            if not (wait or fact.ready()):
+                waiting.append(fact)
+            elif isinstance(fact, RestoreTiming):
+                self.stats.add("restore_seconds", fact.seconds())
+            elif fact.failed():
+                self.stats.add("capture_failures", len(fact.failed()))
+                logger.warning("sekv: %d captured blocks dropped (rows missing from the batch)", len(fact.failed()))
+        self._unsettled = waiting
 
     def _drain_nvme(self) -> list[tuple[str, bytes, bool]]:
         if self.records is None:
@@ -749,6 +813,7 @@ class SekvWorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        self._count_device_reports(wait=True)
         if self.capture_writer is not None:
             self.capture_writer.settle()
         if self.records is not None:

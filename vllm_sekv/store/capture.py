@@ -26,12 +26,13 @@ positions and stores the buffer at the capture's host rows:
   `block_tokens * kv_heads * head_dim` apart). The calling thread never waits:
   a decode step no longer pays a device synchronization and a host-side copy.
   `settle()` waits for the copies; it must be called before anything reads or
-  rewrites those host rows on the host or from another stream (the worker
-  calls it at the start of a step that does, and at shutdown), and it costs
-  nothing once the copies are done. A step that only captures calls
-  `reap()`, which never waits: under asynchronous scheduling the next step
-  starts while this one's forward still runs, and waiting there would undo
-  the overlap.
+  rewrites those host rows on the host (the worker calls it at the start of a
+  step that does, and at shutdown), and it costs nothing once the copies are
+  done. A reader on the device (a restore's copies, a GPU index update)
+  instead orders its stream after them with `order(stream)`, and the step
+  calls `reap()`, which never waits: under asynchronous scheduling the next
+  step starts while this one's forward still runs, and waiting there would
+  undo the overlap.
 * Elsewhere: synchronously, through a host copy of the buffer
   (`HostPool.write_rows_all_layers`).
 
@@ -165,6 +166,13 @@ class CaptureWriter:
         for done, _ in self._pending:
             done.synchronize()
         self._pending.clear()
+
+    def order(self, stream: "torch.cuda.Stream") -> None:
+        """Make `stream` wait, on the device, for every capture written so far
+        (its copies run in order on one stream: the last one's event covers
+        them all). For readers of the pool on the device; never waits here."""
+        if self._pending:
+            stream.wait_event(self._pending[-1][0])
 
     def reap(self) -> None:
         """Let go of the captures already in the pool; never waits. Later

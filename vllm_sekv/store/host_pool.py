@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
+from vllm_sekv.store.layerwise import slot_runs
 
 PAGE_BYTES = 4096
 
@@ -64,7 +65,8 @@ class HostPool:
         raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
         offset = -raw.data_ptr() % PAGE_BYTES
         self.data = raw[offset : offset + nbytes].view(dtype).view(shape)
-        if pin_memory and nbytes:
+        self.pinned = bool(pin_memory and nbytes)  # page-locked: the copy engine reads it directly
+        if self.pinned:
             # Pinned at exactly its size (torch's pinned allocator would round
             # it up to a power of two). Touching every page first spreads the
             # page faults over torch's threads; registering then only locks.
@@ -156,6 +158,24 @@ class HostPool:
         """K/V `[n, num_layers, kv_heads, head_dim]` of every layer at flat token rows."""
         slots, offsets = rows // self.block_tokens, rows % self.block_tokens
         return self.data[slots, 0, :, offsets], self.data[slots, 1, :, offsets]
+
+    def slot_keys_on(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        """Keys of whole slots, `[n, num_layers, block_tokens, kv_heads,
+        head_dim]`, on `device`. From the pinned pool to CUDA: pitched copies
+        on the current stream, one per run of consecutive slots, and the host
+        never waits (the caller orders that stream after any capture still
+        being copied into these slots, `CaptureWriter.order`). Elsewhere a
+        host gather, then a copy."""
+        if device.type != "cuda" or not self.pinned:
+            return self.data[torch.tensor(slots, dtype=torch.int64), 0].to(device)
+        out = torch.empty((len(slots), *self.data.shape[2:]), dtype=self.data.dtype, device=device)
+        key_bytes = out[0].numel() * out.element_size()
+        slot_bytes = self.block_bytes
+        stream = torch.cuda.current_stream(device)
+        for first, at, n in slot_runs(np.asarray(slots, dtype=np.int64)):
+            cudart.copy2d_async(out[at].data_ptr(), key_bytes, self.data[first, 0].data_ptr(), slot_bytes,
+                                key_bytes, n, stream)
+        return out
 
     def block_keys(self, slot: int) -> torch.Tensor:
         """All keys of one slot, `[num_layers, block_tokens, kv_heads, head_dim]` (a view)."""

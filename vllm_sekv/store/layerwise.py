@@ -167,10 +167,10 @@ class LayerwiseRestore:
                 self.copy_end_event.record(self._stream)
         self._next_copy += 1
 
-    def transfer_seconds(self) -> float | None:
-        """Copy-stream time from the first copy to the last (CUDA; after
-        `finish()` and the forward; blocks until the last copy is done)."""
+    def transfer_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """(before the first copy, after the last) on the copy stream, CUDA
+        timing events; None on CPU. Their elapsed time is the transfer's, once
+        the last copy ran (`RestoreTiming` reads it then)."""
         if self.start_event is None or self.copy_end_event is None:
             return None
-        self.copy_end_event.synchronize()
-        return self.start_event.elapsed_time(self.copy_end_event) / 1000.0
+        return self.start_event, self.copy_end_event

@@ -26,15 +26,19 @@ The index lives on `device` (the worker puts it on the GPU on CUDA: blocks'
 keys move there once, when indexed, and probes score there); queries must
 come on that device, scores go back on it.
 
-Runs in the worker process, on the forward thread; blocking.
+Runs in the worker process, on the forward thread. On CUDA `add_many` and
+`score` never wait for the device (the blocks' keys come from the pinned
+host tier by the copy engine, `HostPool.slot_keys_on`); elsewhere blocking.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_sekv import ops
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
+from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.workspace import summaries
 
 
@@ -75,10 +79,9 @@ class BlockIndex:
         block_tokens] (NaN: unknown) weights the tokens of kinds that use it
         (`summaries.surprisal_weights`; uniform where unknown)."""
         for c in range(0, len(slots), chunk):
-            idx = torch.tensor(slots[c : c + chunk], dtype=torch.int64)
-            starts = torch.tensor(start_tokens[c : c + chunk], dtype=torch.int64, device=self.device)
-            keys = pool.data[idx, 0].to(self.device)  # [n, L, T, H, D], post-RoPE
-            idx = idx.to(self.device)
+            idx = to_device(np.asarray(slots[c : c + chunk], dtype=np.int64), self.device)
+            starts = to_device(np.asarray(start_tokens[c : c + chunk], dtype=np.int64), self.device)
+            keys = pool.slot_keys_on(slots[c : c + chunk], self.device)  # [n, L, T, H, D], post-RoPE
             n, num_layers, num_tokens, kv_heads, head_dim = keys.shape
             post = keys.permute(0, 2, 1, 3, 4).reshape(n * num_tokens, num_layers * kv_heads, head_dim).float()
             positions = (starts[:, None] + torch.arange(num_tokens, device=self.device)[None, :]).reshape(-1)
@@ -86,7 +89,7 @@ class BlockIndex:
             weights = None
             if self.kind.uses_weights:
                 h = surprisal[c : c + chunk] if surprisal is not None else torch.zeros(n, num_tokens)
-                h = h.to(self.device)
+                h = to_device(h, self.device)
                 weights = summaries.surprisal_weights(h.reshape(-1).float(), num_tokens)  # [n * T]
             summary = summaries.summarize_blocks(self.kind, pre, post, weights, block_tokens=num_tokens)
             s = summary.shape[1]  # [n, S, L*H, D] -> [n, L, S, H, D]

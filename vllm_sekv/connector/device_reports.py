@@ -1,0 +1,99 @@
+"""What the device tells a step's report after the step's host code has moved on.
+
+Under asynchronous scheduling the worker builds a step's report
+(`SekvWorkerMeta`) while the step still runs on the GPU, and schedules the
+next step right after. Waiting there for the GPU would stop the host from
+preparing the next step, so two facts travel in the report unread:
+
+* `RestoreTiming`: a restore's copy-stream time, two CUDA events;
+* `CaptureCheck`: whether a paged capture's planned slots were in its step's
+  batch, flags computed on the device and copied to pinned host memory.
+
+`SekvWorkerMeta.settled()` reads them when the scheduler side reads the report.
+vLLM hands a step's report over with the step's output, once its sampled
+tokens are on the host: the forward, which waited for every restored layer,
+has then run, so the timing is ready, and a check waits at most for the
+capture's own few-microsecond kernels behind it. Read earlier, both wait; they
+are never read wrong. Each is idempotent: read once, remembered.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class RestoreTiming:
+    """A restore's transfer time (`end - start`, CUDA events recorded on its
+    copy stream), split between the requests it served by their share of its
+    blocks."""
+
+    def __init__(self, start: Any, end: Any, shares: list[tuple[str, float]]) -> None:
+        self.start, self.end = start, end
+        self.shares = shares
+        self._seconds: float | None = None
+
+    def ready(self) -> bool:
+        """Whether the copies are done (never waits)."""
+        return self._seconds is not None or self.end.query()
+
+    def seconds(self) -> float:
+        """The transfer time; waits for the last copy if it still runs."""
+        if self._seconds is None:
+            self.end.synchronize()
+            self._seconds = self.start.elapsed_time(self.end) / 1000.0
+        return self._seconds
+
+    def apply(self, restore_seconds: dict[str, float], failed_slots: set[int]) -> None:
+        seconds = self.seconds()
+        for req_id, share in self.shares:
+            restore_seconds[req_id] = restore_seconds.get(req_id, 0.0) + seconds * share
+
+
+def in_batch(want: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`[len(want)]` bool: which of the paged slots `want` the step's
+    `slot_mapping` writes. On the device, without a synchronization."""
+    if not len(slot_mapping):
+        return torch.zeros(len(want), dtype=torch.bool, device=want.device)
+    ordered = torch.sort(slot_mapping.to(torch.int64)).values
+    at = torch.searchsorted(ordered, want).clamp_(max=len(ordered) - 1)
+    return ordered[at] == want
+
+
+class CaptureCheck:
+    """Whether each planned row of a paged capture was in its step's batch.
+
+    A paged capture reads its rows from the paged cache at the plan's paged
+    slots; a slot the step did not write holds older KV, so its host slot
+    must fail instead of being committed. The flags are computed on the
+    device (`in_batch`) and copied to pinned memory behind an event recorded
+    on the compute stream: building the check never waits for the GPU."""
+
+    def __init__(self, want: torch.Tensor, slot_mapping: torch.Tensor, host_slots: np.ndarray) -> None:
+        found = in_batch(want, slot_mapping)
+        self.host_slots = host_slots  # per planned row
+        if found.device.type == "cuda":
+            self._flags = torch.empty(len(host_slots), dtype=torch.bool, pin_memory=True)
+            self._flags.copy_(found, non_blocking=True)
+            self._done: Any = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(found.device))
+        else:
+            self._flags, self._done = found, None
+        self._failed: set[int] | None = None
+
+    def ready(self) -> bool:
+        """Whether the flags are on the host (never waits)."""
+        return self._failed is not None or self._done is None or self._done.query()
+
+    def failed(self) -> set[int]:
+        """Host slots with a planned row the batch did not hold; waits for the
+        flags if they are still on their way."""
+        if self._failed is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._failed = set(np.unique(self.host_slots[~self._flags.numpy()]).tolist())
+        return self._failed
+
+    def apply(self, restore_seconds: dict[str, float], failed_slots: set[int]) -> None:
+        failed_slots |= self.failed()
