@@ -52,9 +52,9 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     pending: list[Any] = field(default_factory=list)
 
     def settled(self) -> "SekvWorkerMeta":
-        """This report with every pending device fact read in (it waits if the
-        step's last copies still run, which once vLLM hands the report over
-        they do not: see `device_reports`)."""
+        """This report with every pending device fact read in. It waits only
+        for device work still running, which by the time vLLM hands the report
+        over is at most a capture's check (`device_reports`)."""
         for fact in self.pending:
             fact.apply(self.restore_seconds, self.failed_slots)
         self.pending = []

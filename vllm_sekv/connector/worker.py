@@ -489,7 +489,7 @@ class SekvWorkerSide:
         (`LayerwiseRestore`: layer l is written when the forward reaches layer
         l) or batched (`RestorePipeline`: whole slots, every layer written
         before the forward), per `restore_mode`. Timed with CUDA events, read
-        after the forward (`build_worker_meta`)."""
+        with the step's report (`RestoreTiming`)."""
         self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
         layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, self.config.block_tokens) for op in ops]
         host_slots = np.concatenate([slots for slots, _, _ in layouts])
