@@ -8,10 +8,13 @@ The engine must run in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 stretch added. A nested call counts in both its own line and its caller's.
 Calls never synchronize with the GPU, so a method's time is its host time
 plus any wait for the GPU it makes itself (a device->host copy, an event).
-Overhead: about a microsecond per call.
+Overhead: about a microsecond per call. `first_end_after(label, t0)` says
+when a method first returned after `t0` (e.g. when a follow-up's loads were
+enqueued, counted from its submission).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import importlib
@@ -53,6 +56,7 @@ TARGETS = [
 ]
 
 _SUMS: dict[str, list[float]] = {}  # label -> [calls, seconds]
+_ENDS: dict[str, collections.deque] = {}  # label -> perf_counter() at the end of its last calls
 _GC_STARTED = [0.0]
 
 
@@ -69,6 +73,7 @@ def _gc_callback(phase: str, info: dict) -> None:
 
 def _timed(label: str, fn):
     entry = _SUMS.setdefault(label, [0, 0.0])
+    ends = _ENDS.setdefault(label, collections.deque(maxlen=256))
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -77,8 +82,10 @@ def _timed(label: str, fn):
         try:
             return fn(*args, **kwargs)
         finally:
+            t1 = time.perf_counter()
             entry[0] += 1
-            entry[1] += time.perf_counter() - t0
+            entry[1] += t1 - t0
+            ends.append(t1)
 
     return wrapper
 
@@ -108,6 +115,12 @@ def install() -> list[str]:
 
 def snapshot() -> dict[str, tuple[int, float]]:
     return {label: (int(calls), seconds) for label, (calls, seconds) in _SUMS.items()}
+
+
+def first_end_after(label: str, t0: float) -> float | None:
+    """`perf_counter()` when `label`'s first call ending after `t0` returned
+    (None if none did, among its last 256 calls)."""
+    return next((t for t in _ENDS.get(label, ()) if t >= t0), None)
 
 
 def diff(before: dict, after: dict, per: int = 1) -> dict[str, dict]:

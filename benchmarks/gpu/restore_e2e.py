@@ -147,9 +147,13 @@ def engine_main(spec: dict) -> None:
                 llm.reset_prefix_cache()
             time.sleep(0.5)  # let asynchronous offload/write-behind work settle
             before = host_timers.snapshot() if spec.get("timers") else None
+            submitted = time.perf_counter()
             seconds, out = generate(step)
             if before is not None:
                 timers = host_timers.diff(before, host_timers.snapshot())
+                loads = host_timers.first_end_after("connector.pre_forward", submitted)
+                if loads is not None:  # the restore's first copies are enqueued by then (both connectors)
+                    timers["submit_to_loads_enqueued"] = {"calls": 1, "ms": (loads - submitted) * 1e3}
             times.append(seconds)
             cached.append(out.num_cached_tokens)
             params_seen = out.kv_transfer_params
@@ -253,7 +257,9 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
         labels = sorted({label for r in timed for label in r["timers"]},
                         key=lambda label: -max(r["timers"].get(label, {"ms": 0.0})["ms"] for r in timed))
         lines += ["", f"Host time of the last follow-up at {length // 1024}K (`--timers`, engine in the benchmark's "
-                  "process; ms, calls in brackets; nested methods count in their callers too):", "",
+                  "process; ms, calls in brackets; nested methods count in their callers too; "
+                  "`submit_to_loads_enqueued`: from the request's submission to the end of the first "
+                  "`connector.pre_forward`, where both connectors enqueue the restore's copies):", "",
                   "| method | " + " | ".join(r["engine"] for r in timed) + " |", "|---" * (len(timed) + 1) + "|"]
         for label in labels:
             cells = [f"{r['timers'][label]['ms']:.2f} ({r['timers'][label]['calls']:.0f})" if label in r["timers"]
