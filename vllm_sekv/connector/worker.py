@@ -101,11 +101,13 @@ def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.
     cache-update op skips; the RoPE delta of each token), from the op's runs
     of rows in one slot (`slot_runs_of_rows`)."""
     bt = block_tokens
-    starts, slots = slot_runs_of_rows(host_rows, bt)
+    slot_of_row = host_rows // bt
+    starts, slots = slot_runs_of_rows(slot_of_row)
     run_of_row = np.zeros(len(host_rows), dtype=np.int64)
     run_of_row[starts[1:]] = 1
     np.cumsum(run_of_row, out=run_of_row)
-    where = run_of_row * bt + host_rows % bt
+    run_of_row *= bt
+    where = run_of_row + host_rows % bt
     mapping = np.full(len(slots) * bt, -1, dtype=np.int64)
     mapping[where] = paged_slots
     deltas = np.zeros(len(slots) * bt, dtype=np.int64)

@@ -40,7 +40,7 @@ from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import PrefixHashMemo, extend_block_hashes
 from vllm_sekv.workspace.coarse import CoarsePlan
 from vllm_sekv.workspace.plan import (
-    CoarseOp, CoarseSummaries, LowRankBlock, RestoreOp, ScoreOp, StepPlan, SurprisalOp, slot_runs_of_rows,
+    CoarseOp, CoarseSummaries, LowRankBlock, RestoreOp, ScoreOp, StepPlan, SurprisalOp,
 )
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.views import PassKind, ViewPass
@@ -183,7 +183,7 @@ class WorkspacePlanner:
         positions = np.arange(
             st.match_end_tokens - num_external_tokens, st.match_end_tokens, dtype=np.int64
         )
-        host_rows, deltas = self._view_sources(st, positions)
+        host_rows, deltas, blocks = self._view_sources(st, positions)
         st.pending_restore = RestoreOp(
             req_id, np.zeros(0, np.int64), host_rows, deltas if deltas.any() else None,
             st.view.kind.value if st.view is not None else "", int(positions[0]),
@@ -193,12 +193,11 @@ class WorkspacePlanner:
             st.pending_restore.lowrank = {
                 st.matched[b].host_slot: block for b, block in st.view_lowrank.items() if b in held}
         st.restored_tokens = num_external_tokens
-        starts, run_slots = slot_runs_of_rows(host_rows, bt)  # per block, not per row
-        run_rows = np.diff(np.append(starts, len(host_rows)))
-        used_slots = set(run_slots.tolist())
-        used = [rec for rec in st.matched if rec.host_slot in used_slots]
-        promoted = [rec.host_slot for rec in used if rec.block_hash in st.promoted]
-        st.nvme_read_tokens = int(run_rows[np.isin(run_slots, promoted)].sum())
+        rows_of = np.bincount(blocks, minlength=len(st.matched))  # restored rows per matched block
+        used_blocks = np.flatnonzero(rows_of).tolist()
+        used = [st.matched[b] for b in used_blocks]
+        st.nvme_read_tokens = sum(int(rows_of[b]) for b, rec in zip(used_blocks, used)
+                                  if rec.block_hash in st.promoted) if st.promoted else 0
         self.catalog.pin(used)
         self.catalog.touch(used)
         st.restore_pins[-1] = used  # re-keyed to the step that carries the restore
@@ -276,21 +275,25 @@ class WorkspacePlanner:
         return CoarseSummaries(rows, plan.positions, plan.summary_of, plan.surprisal,
                                plan.summary_positions, plan.num_tokens, view.history_tokens)
 
-    def _view_sources(self, st: RequestState, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Host rows and re-RoPE deltas (view - virtual) restoring view `positions`."""
+    def _view_sources(self, st: RequestState, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host rows, re-RoPE deltas (view - virtual) and the index in
+        `st.matched` of the block of each row, restoring view `positions`."""
         bt = self.block_tokens
         if st.view is None:  # same positions: block i of the match restores block first + i
-            index = positions // bt - st.match_first_block
-            deltas = np.zeros(len(positions), dtype=np.int64)
             virtual = positions
+            deltas = np.zeros(len(positions), dtype=np.int64)
         else:  # st.matched starts at block 0: view position -> virtual position
             virtual = st.view_virtual[positions]
-            index = virtual // bt
             deltas = positions - virtual
+        index = virtual // bt
+        if st.view is None:
+            index -= st.match_first_block
         if len(index) and (index.min() < 0 or index.max() >= len(st.matched)):
             raise ValueError(f"request {st.req_id}: restore beyond the matched blocks")
-        slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)[index]
-        return slots * bt + virtual % bt, deltas
+        rows = np.array([rec.host_slot for rec in st.matched], dtype=np.int64).take(index)
+        rows *= bt  # in place: at 64K rows each temporary array costs more than the arithmetic
+        rows += virtual % bt
+        return rows, deltas, index
 
     # ------------------------------------------------------- per-step planning
 
