@@ -21,7 +21,7 @@ from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector.views import ViewCoordinator
 from vllm_sekv.store import LRUPolicy
 from vllm_sekv.workspace.catalog import BlockCatalog
-from vllm_sekv.workspace.hashing import extend_block_hashes
+from vllm_sekv.workspace.hashing import JoinedTokens, extend_block_hashes
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
 
@@ -55,12 +55,15 @@ def step(i):
 def decode(req, tokens=128):
     """Mean seconds per generated token of the scheduler side's plan + confirm."""
     generated: list[int] = []
-    tokens_of = lambda rid: prompt + generated  # noqa: E731 (ViewJob.virtual_tokens)
+    tokens_of = lambda rid: JoinedTokens(prompt, generated)  # noqa: E731 (ViewJob.virtual_tokens)
     view_len = req.num_tokens  # the final pass's sequence; each token extends it
+    pages = view_len // 16 + 2  # the final pass's pages, given in step()
     t0 = time.perf_counter()
     for i in range(tokens):  # step i computes the token sampled before it, at view position view_len + i
         generated.append(random.randrange(1000, 128000))
-        planner.set_paged_blocks(req.request_id, list(range((view_len + i) // 16 + 2)), replace=True)
+        if (view_len + i) // 16 + 2 > pages:  # vLLM hands over a step's new pages only
+            planner.set_paged_blocks(req.request_id, [pages], replace=False)
+            pages += 1
         plan = planner.plan_step({req.request_id: (view_len + i, 1)}, tokens_of)
         assert len(plan.capture_host_rows) == 1  # the token is saved at its virtual position
         planner.confirm(plan.step_id, set(), tokens_of)

@@ -40,6 +40,16 @@ def test_in_batch_finds_the_slots_the_step_writes(dtype):
     assert in_batch(torch.zeros(0, dtype=torch.int64), mapping).tolist() == []
 
 
+def test_in_batch_sorts_a_large_batch_and_agrees_with_pairwise_comparison():
+    g = torch.Generator().manual_seed(1)
+    mapping = torch.randperm(1 << 16, generator=g)[:8192].to(torch.int32)  # a prefill chunk's slots
+    want = torch.randint(0, 1 << 16, (4096,), generator=g)
+    expected = torch.from_numpy(np.isin(want.numpy(), mapping.numpy()))
+    assert len(want) * len(mapping) > (1 << 20)  # the sorting path
+    assert torch.equal(in_batch(want, mapping), expected)
+    assert torch.equal(in_batch(want[:100], mapping), expected[:100])  # pairwise
+
+
 def test_a_capture_check_fails_the_host_slots_of_rows_missing_from_the_batch():
     mapping = torch.tensor([16, 17, 18, 90])
     want = torch.tensor([16, 17, 18, 19, 90])  # 19 was not written by this step

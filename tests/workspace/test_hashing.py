@@ -1,4 +1,6 @@
-from vllm_sekv.workspace.hashing import extend_block_hashes
+import pytest
+
+from vllm_sekv.workspace.hashing import JoinedTokens, extend_block_hashes
 
 
 def hashes(tokens, salt="", bt=4):
@@ -97,3 +99,23 @@ def test_shared_blocks_is_the_longest_whole_block_common_prefix():
         while naive < n // bt and old[naive * bt:(naive + 1) * bt] == new[naive * bt:(naive + 1) * bt]:
             naive += 1
         assert _shared_blocks(old, new, n, bt) == naive
+
+
+def test_joined_tokens_read_like_the_concatenated_list():
+    """A view job's history is its prompt joined to its generated tokens, not
+    copied: lengths, indexes and slices (all block hashing reads) equal the
+    concatenated list's, and tokens the tail gains later show."""
+    head, tail = list(range(100, 170)), [7, 8, 9]
+    joined = JoinedTokens(head, tail)
+    whole = head + tail
+    assert len(joined) == len(whole) and list(joined) == whole
+    for s in (slice(0, 32), slice(64, 73), slice(70, 73), slice(60, 200), slice(None), slice(-5, None),
+              slice(3, 60, 7), slice(71, 10)):
+        assert joined[s] == whole[s], s
+    assert [joined[i] for i in range(-len(whole), len(whole))] == whole + whole
+    with pytest.raises(IndexError):
+        joined[len(whole)]
+    tail.append(10)  # vLLM appends to a request's output tokens in place
+    assert len(joined) == len(whole) + 1 and joined[-1] == 10
+    hashes = extend_block_hashes([], joined, 32, "s")
+    assert hashes == extend_block_hashes([], head + tail, 32, "s")

@@ -51,11 +51,18 @@ class RestoreTiming:
             restore_seconds[req_id] = restore_seconds.get(req_id, 0.0) + seconds * share
 
 
+# Up to this many (planned slot, batch slot) pairs, `in_batch` compares all of
+# them at once (two launches, a decode step's case); beyond, it sorts.
+_PAIRWISE_MAX = 1 << 20
+
+
 def in_batch(want: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """`[len(want)]` bool: which of the paged slots `want` the step's
     `slot_mapping` writes. On the device, without a synchronization."""
     if not len(slot_mapping):
         return torch.zeros(len(want), dtype=torch.bool, device=want.device)
+    if len(want) * len(slot_mapping) <= _PAIRWISE_MAX:
+        return (want[:, None] == slot_mapping[None, :]).any(dim=1)
     ordered = torch.sort(slot_mapping.to(torch.int64)).values
     at = torch.searchsorted(ordered, want).clamp_(max=len(ordered) - 1)
     return ordered[at] == want

@@ -28,6 +28,7 @@ from vllm_sekv import compat
 from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.store.codecs import parse_codec
 from vllm_sekv.workspace.coarse import CoarsePlan, plan_summaries
+from vllm_sekv.workspace.hashing import JoinedTokens
 from vllm_sekv.workspace.plan import LowRankBlock
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.segments import Segments, segment
@@ -62,8 +63,10 @@ class ViewJob:
     coarse_plan: CoarsePlan | None = None
     lowrank: dict[int, LowRankBlock] | None = None
 
-    def virtual_tokens(self, request: Any) -> list[int]:
-        return self.prompt + list(request.output_token_ids)
+    def virtual_tokens(self, request: Any) -> JoinedTokens:
+        """The full history in virtual order, prompt then generated tokens
+        (joined, not copied: asked for at every new block)."""
+        return JoinedTokens(self.prompt, request.output_token_ids)
 
 
 class ViewCoordinator:
@@ -289,7 +292,7 @@ class ViewCoordinator:
 
     # ------------------------------------------------------------- the end
 
-    def virtual_progress(self, request: Any) -> tuple[list[int], int] | None:
+    def virtual_progress(self, request: Any) -> tuple[Sequence[int], int] | None:
         """(virtual tokens, how many of them are computed) of a view job."""
         job = self.jobs.get(request.request_id)
         if job is None:

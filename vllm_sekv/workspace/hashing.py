@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 _VERSION = b"sekv-block-v1"
 
@@ -33,6 +33,46 @@ def extend_block_hashes(
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
         hashes.append(parent)
     return hashes
+
+
+class JoinedTokens(Sequence[int]):
+    """`head + tail` as one read-only sequence, without copying either.
+
+    A view job's full history is its prompt (512K tokens and more) followed
+    by what it generated, asked for at every new block (its hash) and at the
+    end. Building that list each time costs about a millisecond at 512K;
+    block hashing reads only the length and the slices of new blocks. Slices
+    are lists; the parts are read when indexed (a `tail` that grows, like
+    vLLM's `output_token_ids`, shows its new tokens)."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, head: Sequence[int], tail: Sequence[int]) -> None:
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __iter__(self):
+        yield from self.head
+        yield from self.tail
+
+    def __getitem__(self, index):
+        h = len(self.head)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            if stop <= h:
+                return list(self.head[start:stop])
+            if start >= h:
+                return list(self.tail[start - h:stop - h])
+            return list(self.head[start:h]) + list(self.tail[:stop - h])
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("JoinedTokens index out of range")
+        return self.head[index] if index < h else self.tail[index - h]
 
 
 def _shared_blocks(old: list[int], new: list[int], n: int, block_tokens: int) -> int:
