@@ -25,7 +25,7 @@ Runs in each worker process, on the forward thread, in this order per step:
                    (`StepCapture`; no copy to the host, no synchronization);
   `observe_queries` called by the attention hook once per layer before
                    attention: a probe's queries score candidate blocks of the
-                   index (accumulated over the probe's steps);
+                   index (accumulated over the probe's steps; `ProbeScorer`);
   (SeKV, `surprisal` on) after the model's forward, a hook records the
                    surprisal of the step's captured tokens (`SurprisalRecorder`);
   `build_worker_meta` after the forward: stores the step's captured rows of
@@ -65,6 +65,7 @@ from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.connector.coarse import CoarseAttention, StepRows
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.device_reports import CaptureCheck, RestoreTiming
+from vllm_sekv.connector.probes import ProbeScorer
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.connector.surprisal import SurprisalRecorder
@@ -78,9 +79,8 @@ from vllm_sekv.store.lowrank_tier import LowRankTier
 from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
-from vllm_sekv.workspace.plan import RestoreOp, ScoreOp, StepPlan, slot_runs_of_rows
+from vllm_sekv.workspace.plan import RestoreOp, StepPlan, slot_runs_of_rows
 from vllm_sekv.workspace.router import FULL_RANK, load_router
-from vllm_sekv.workspace.summaries import combine_heads
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -161,10 +161,8 @@ class SekvWorkerSide:
         # Whether this step needs the attention hook's per-layer calls before
         # and after attention (probes, coarse merges, a layerwise restore).
         self.attention_hooks = False
-        # Probes of this step: (op, batch rows of its queries, their positions).
-        self._probe_rows: list[tuple[ScoreOp, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-        self._score_acc: dict[str, torch.Tensor] = {}  # req_id -> [L, Hq, B]
-        self._scores_done: dict[str, np.ndarray] = {}
+        # Probes: their queries score the block index (created with the index).
+        self.probes: ProbeScorer | None = None
         # Committed blocks not indexed yet: indexed in one batch when a probe
         # needs the index, never in steps that do not (restores stay lean).
         # slot -> first token's virtual position; a reused slot: its last block
@@ -182,7 +180,6 @@ class SekvWorkerSide:
         self._step_mapping: tuple[np.ndarray, np.ndarray] | None = None
         # SeKV zoom router (config `router_path`): scores probes instead of Mean-K.
         self.router: Any = None
-        self._router_queries: dict[str, list[list[torch.Tensor]]] = {}  # req_id -> per layer
         # SeKV coarse attention (config `coarse`): per view, the summaries of
         # the history it leaves out; this step's rows of each such request:
         # (req_id, batch rows, view positions).
@@ -240,6 +237,8 @@ class SekvWorkerSide:
         # On CUDA the index lives on the GPU: probes score where the queries are.
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind,
                                 device=device if device.type == "cuda" else "cpu")
+        self.probes = ProbeScorer(self.index, self.router, geo, self.rope, self.config.block_tokens,
+                                  self.config.index_combine)
         if self.config.surprisal == "on":
             model = compat.model_of_caller()
             if model is None:
@@ -280,7 +279,9 @@ class SekvWorkerSide:
                 self.capture_writer.settle()  # the last steps' captures are in the pool before the host reads it
             else:
                 self.capture_writer.reap()  # readers on the device wait there (`CaptureWriter.order`)
-        self._capture = self._probe_rows = self._step_mapping = self._coarse_rows = self._check_rows = None
+        self._capture = self._step_mapping = self._coarse_rows = self._check_rows = None
+        if self.probes is not None:
+            self.probes.clear_step()
         self._forward_begun = False
         self.capture_layers = bool(len(plan.capture_paged_slots) or plan.scores or plan.coarse or plan.surprisal)
         # Set here, not in `start_load_kv`: vLLM 0.32 starts the loads of a step
@@ -564,8 +565,8 @@ class SekvWorkerSide:
         mapping = slot_mapping.cpu().numpy()
         order = np.argsort(mapping, kind="stable")
         self._step_mapping = (order, mapping[order])
-        if plan.scores:
-            self._probe_rows = self._resolve_probe_rows(plan, slot_mapping)
+        if plan.scores and self.probes is not None:
+            self.probes.begin(plan.scores, self._step_rows, slot_mapping.device)
         if plan.coarse and self.coarse is not None:
             self._coarse_rows = []
             for op in plan.coarse:
@@ -644,21 +645,6 @@ class SekvWorkerSide:
         return StepCapture(rows, host_rows, deltas, geo.num_layers, geo.kv_heads, geo.head_dim,
                            self.pool.data.dtype, paged)
 
-    def _resolve_probe_rows(
-        self, plan: StepPlan, slot_mapping: torch.Tensor
-    ) -> list[tuple[ScoreOp, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per probe of this step: (op, batch rows of its queries, their
-        positions, its candidate slots), the tensors on the index's device."""
-        out = []
-        device = self.index.device
-        for op in plan.scores:
-            found, rows = self._step_rows(op.query_paged_slots)
-            if not found.all():
-                logger.warning("sekv: %d probe queries missing from the batch", int((~found).sum()))
-            out.append((op, to_device(rows, slot_mapping.device), to_device(op.query_positions[found], device),
-                        to_device(op.candidate_slots, device)))
-        return out
-
     def merge_coarse(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
         """After a layer's attention: merge SeKV summaries into the output
         rows of this step's coarse requests (in place)."""
@@ -672,75 +658,10 @@ class SekvWorkerSide:
         self.stats.add("coarse_rows", merged)
 
     def observe_queries(self, layer: Any, query: torch.Tensor) -> None:
-        """A layer's queries (post-RoPE, as attention receives them): score the
-        step's probes' candidates with the planned rows."""
-        probes = self._probe_rows
-        if not probes or self.index is None:
-            return
-        layer_idx = self.layer_of[layer.layer_name]
-        head_dim = self.geometry.head_dim
-        for op, rows, positions, candidates in probes:
-            if self.router is not None:
-                self._route(op, layer_idx, query, rows, positions)
-                continue
-            acc = self._score_acc.get(op.req_id)
-            if len(rows):
-                device = self.index.device
-                q = query[rows].reshape(len(rows), -1, head_dim).float().to(device)
-                q = rotate_keys(q, -positions, self.rope)  # pre-RoPE
-                if self.index.query_space == "post":
-                    q = rotate_keys(q, positions + op.query_virtual_offset, self.rope)
-                part = self.index.score(layer_idx, q, candidates)
-                if acc is None:
-                    acc = torch.zeros((self.geometry.num_layers, *part.shape), dtype=torch.float32, device=device)
-                    self._score_acc[op.req_id] = acc
-                acc[layer_idx] += part
-            if op.last and layer_idx == self.geometry.num_layers - 1:
-                self._scores_done[op.req_id] = self._score_rows(self._score_acc.pop(op.req_id, None), op)
-                self.stats.add("probes", 1)
-
-    def _score_rows(self, acc: torch.Tensor | None, op: ScoreOp) -> np.ndarray:
-        """A finished probe's report: its rows per (layer, query head), or,
-        on a single rank, already combined into one row (the scheduler side
-        combines what the ranks send; one row combines to itself), so that a
-        long history's scores cross to the scheduler as one row."""
-        if acc is None:
-            return np.zeros((0, len(op.candidate_slots)), dtype=np.float32)
-        rows = acc.reshape(-1, acc.shape[-1])
-        if self.geometry.world_size == 1:
-            rows = combine_heads(rows, self.config.index_combine)[None]
-        return rows.cpu().numpy()
-
-    def _route(self, op: ScoreOp, layer_idx: int, query: torch.Tensor, rows: torch.Tensor,
-               positions: torch.Tensor) -> None:
-        """SeKV zoom router: keep the probe's pre-RoPE queries layer by layer;
-        after the last layer of its last step, the router scores the candidate
-        blocks' surprisal-weighted mean keys with all of them. Two rows: the
-        router's combined relevance `P` (over layers and heads), and the rank
-        of each candidate's tier (`rank_levels[max(tier, 1)]`: a block the view
-        takes although the router would keep it coarse moves at the lowest
-        expand rank; FULL_RANK, and unindexed candidates, move exact)."""
-        kept = self._router_queries.setdefault(op.req_id, [[] for _ in range(self.geometry.num_layers)])
-        if len(rows):  # the router runs on the host
-            q = query[rows].reshape(len(rows), -1, self.geometry.head_dim).float().cpu()
-            kept[layer_idx].append(rotate_keys(q, -positions.cpu(), self.rope))
-        if not (op.last and layer_idx == self.geometry.num_layers - 1):
-            return
-        del self._router_queries[op.req_id]
-        slots = torch.from_numpy(op.candidate_slots)
-        valid = self.index.valid[slots.to(self.index.device)].cpu()
-        combined = torch.zeros(len(slots), dtype=torch.float32)
-        ranks = torch.full((len(slots),), FULL_RANK, dtype=torch.float32)
-        if valid.any() and kept[0]:  # the router runs on the host
-            queries = torch.stack([torch.cat(chunks) for chunks in kept])  # [L, M, Hq, D]
-            keys = self.index.entries[slots[valid].to(self.index.device), :, 0].float().cpu().transpose(0, 1)
-            tokens = torch.full((keys.shape[1],), self.config.block_tokens, dtype=torch.int64)
-            scores = self.router.scores(queries, keys, tokens)
-            combined[valid] = scores.combined.float().cpu()
-            levels = torch.tensor(self.router.rank_levels, dtype=torch.float32)
-            ranks[valid] = levels[scores.tiers.cpu().clamp_min(1)]
-        self._scores_done[op.req_id] = torch.stack([combined, ranks]).numpy()
-        self.stats.add("probes", 1)
+        """A layer's queries (post-RoPE, as attention receives them): the
+        step's probes score their candidates with them (`ProbeScorer`)."""
+        if self.probes is not None and self.probes.active:
+            self.probes.observe(self.layer_of[layer.layer_name], query)
 
     def build_worker_meta(self) -> SekvWorkerMeta | None:
         plan = self._plan
@@ -767,9 +688,12 @@ class SekvWorkerSide:
         surprisal = None
         if parts:
             surprisal = (np.concatenate([r for r, _ in parts]), np.concatenate([v for _, v in parts]))
+        scores = self.probes.take_done() if self.probes is not None else {}
+        if scores:
+            self.stats.add("probes", len(scores))
         meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
-                              nvme, self._scores_done, surprisal, pending=reports)
-        self._failed_slots, self._restore_seconds, self._scores_done = set(), {}, {}
+                              nvme, scores, surprisal, pending=reports)
+        self._failed_slots, self._restore_seconds = set(), {}
         return meta
 
     def _count_device_reports(self, wait: bool = False) -> None:
