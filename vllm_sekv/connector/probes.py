@@ -39,6 +39,9 @@ RowLookup = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 class ProbeScorer:
+    """One per worker: the probes of the current step, and each probe's
+    scores accumulated over its steps until it is done."""
+
     def __init__(self, index: BlockIndex, router: Any, geometry: Any, rope: Any, block_tokens: int,
                  index_combine: str) -> None:
         self.index = index
