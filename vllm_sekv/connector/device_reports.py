@@ -1,11 +1,11 @@
 """What the device tells a step's report after the step's host code has moved on.
 
 Under asynchronous scheduling the worker builds a step's report
-(`SekvWorkerMeta`) while the step still runs on the GPU, and schedules the
-next step right after. Waiting there for the GPU would stop the host from
-preparing the next step, so two facts travel in the report unread:
+(`SekvWorkerMeta`) while the step still runs on the GPU, and vLLM prepares
+the next step right after. Waiting there for the GPU would hold that back, so
+two facts travel in the report unread:
 
-* `RestoreTiming`: a restore's copy-stream time, two CUDA events;
+* `RestoreTiming`: a restore's transfer time, two CUDA events;
 * `CaptureCheck`: whether a paged capture's planned slots were in its step's
   batch, flags computed on the device and copied to pinned host memory.
 
@@ -25,8 +25,8 @@ import torch
 
 
 class RestoreTiming:
-    """A restore's transfer time (`end - start`, CUDA events recorded on its
-    copy stream), split between the requests it served by their share of its
+    """A restore's transfer time (`end - start`, CUDA timing events around
+    its copies), split between the requests it served by their share of its
     blocks."""
 
     def __init__(self, start: Any, end: Any, shares: list[tuple[str, float]]) -> None:
@@ -46,6 +46,7 @@ class RestoreTiming:
         return self._seconds
 
     def apply(self, restore_seconds: dict[str, float], failed_slots: set[int]) -> None:
+        """Fold into a report: each request's share of the time."""
         seconds = self.seconds()
         for req_id, share in self.shares:
             restore_seconds[req_id] = restore_seconds.get(req_id, 0.0) + seconds * share
@@ -103,4 +104,5 @@ class CaptureCheck:
         return self._failed
 
     def apply(self, restore_seconds: dict[str, float], failed_slots: set[int]) -> None:
+        """Fold into a report: the failed host slots."""
         failed_slots |= self.failed()
