@@ -19,7 +19,10 @@ Baseline, same invocation, own process: plain vLLM (no connector) with the
 same GPU memory setting and a plain context of `--view-tokens` tokens: cold
 (prefill) and warm (prefix cached) time to first token of a 64-token step, and
 decode speed at that context. Every figure is measured here; the engine runs
-in eager mode in both cases (`enforce_eager`). Both schedule the way vLLM
+in eager mode in both cases (`enforce_eager`), or with `--cuda-graphs` with
+vLLM's CUDA graphs, its default on GPUs (plain vLLM then replays whole
+decode steps; sekv asks for piecewise graphs, attention and the KV-cache
+update run eagerly, where its hook is). Both schedule the way vLLM
 does by default (asynchronously on GPUs); engines `plain-sync` and
 `sekv-sync` turn vLLM's asynchronous scheduling off, which separates its
 gain from the connector's own cost.
@@ -130,7 +133,7 @@ def make_llm(spec: dict):
         kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
                                         "kv_connector_extra_config": spec["sekv"]}
     return LLM(model=spec["model_dir"], load_format=spec["load_format"], skip_tokenizer_init=True,
-               enforce_eager=True, max_model_len=spec["max_model_len"],
+               enforce_eager=not spec.get("cuda_graphs"), max_model_len=spec["max_model_len"],
                gpu_memory_utilization=spec["gpu_memory_utilization"], enable_prefix_caching=True, seed=0,
                **kwargs)
 
@@ -225,7 +228,8 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
         "",
         *[f"    {c}" for c in commands],
         "",
-        f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, eager, one H200; "
+        f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, "
+        f"{'CUDA graphs (vLLM default; sekv piecewise)' if args.cuda_graphs else 'eager'}, one H200; "
         f"views of {args.view_tokens} tokens, {NEW_TOKENS} new tokens per step, history KV in sekv's pinned "
         f"host tier ({args.host_bytes}). Time to first token = probe (new tokens + block scoring on the GPU "
         "index) + final pass (restore of the view with re-RoPE + new tokens), median of the steps. "
@@ -311,6 +315,8 @@ def main() -> None:
                     help="profile one more step, and one more decode, at the largest size (host side)")
     ap.add_argument("--timers", action="store_true",
                     help="host time per step and per decode token inside vLLM's and sekv's methods (host_timers.py)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="vLLM's CUDA graphs (its default on GPUs) instead of eager mode, for every engine")
     ap.add_argument("--out", default="benchmarks/results/gpu/views_e2e")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only write the report from these runs' JSON")
     args = ap.parse_args()
@@ -332,7 +338,7 @@ def main() -> None:
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab": vocab, "sizes": args.sizes,
             "view_tokens": args.view_tokens, "steps": args.steps, "decode_tokens": args.decode_tokens,
             "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s,
-            "profile": args.profile, "timers": args.timers}
+            "profile": args.profile, "timers": args.timers, "cuda_graphs": args.cuda_graphs}
     rows: list[dict] = []
     for engine in args.engines:
         if engine.startswith("sekv"):
