@@ -4,7 +4,8 @@
 
 SPEC: {"model": dir, "sekv": extra_config or null, "turns": [text, ...],
        "max_tokens": n, "salt": str, "other_salt": str, "dtype": str,
-       "reset": bool (default true), "async_scheduling": bool (default false)}
+       "reset": bool (default true), "async_scheduling": bool (default false),
+       "hook_never_fires": bool (default false)}
 Each step's prompt is the previous prompt + the previous output + the next turn,
 as token ids (no re-tokenization at the seams). vLLM's prefix cache is reset
 before every step unless "reset" is false (then vLLM's own cache serves the
@@ -19,6 +20,10 @@ off in its platform hook although its engine and model runner support it;
 here that one override is lifted (`lift_cpu_async_override`), in this process
 (the engine core runs in-process), so CI exercises the scheduling mode the
 GPU machine uses.
+
+"hook_never_fires": sekv's worker is never handed the layers' K/V, what a
+CUDA graph replaying vLLM's KV-cache update would do (a fake, in this
+process, to reach that failure path on a CPU).
 """
 import json
 import os
@@ -48,6 +53,11 @@ def main(spec_path: str, out_path: str) -> None:
 
     spec = json.load(open(spec_path))
     kwargs = {}
+    if spec.get("hook_never_fires"):
+        from vllm_sekv.connector.worker import SekvWorkerSide
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        SekvWorkerSide.capture_kv = lambda self, layer, key, value, slot_mapping: None
     if spec.get("async_scheduling"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         lift_cpu_async_override()

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.engine
 BLOCK_TOKENS = 32
 
 
-def run_session(tmp_path, model_dir, essay, sekv, dtype, reset=True):
+def run_session(tmp_path, model_dir, essay, sekv, dtype, reset=True, **more):
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
     spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24,
-            "salt": "tenant-a", "other_salt": "tenant-b", "dtype": dtype, "reset": reset}
+            "salt": "tenant-a", "other_salt": "tenant-b", "dtype": dtype, "reset": reset, **more}
     name = f"{'sekv' if sekv is not None else 'plain'}-{dtype}-{'reset' if reset else 'warm'}"
+    name += "".join(f"-{key}" for key in more)
     return run_runner("session_runner.py", spec, tmp_path, name)
 
 
@@ -88,3 +89,16 @@ def test_tenants_with_different_salts_never_share_blocks(runs):
     assert sekv["probe"]["other_salt"]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0
     # control: the same prompt with the session's own salt is restored
     assert sekv["probe"]["same_salt"]["num_cached_tokens"] > 0
+
+
+def test_blocks_the_hook_never_saw_are_misses_not_stale_kv(runs, tmp_path, model_dir, essay):
+    """If the attention hook never receives a step's K/V (as when vLLM would
+    replay its KV-cache update from a CUDA graph), the blocks planned in that
+    step are never committed: nothing is restored, every step computes its
+    whole prompt, and outputs equal plain vLLM's."""
+    plain, _ = runs
+    blind = run_session(tmp_path, model_dir, essay, SEKV, "float32", hook_never_fires=True)
+    assert_same_greedy_outputs(plain, blind)
+    for step in blind["steps"]:
+        assert step["num_cached_tokens"] == 0
+        assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0

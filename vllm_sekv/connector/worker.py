@@ -579,8 +579,18 @@ class SekvWorkerSide:
         """After the forward: this step's captured rows of every layer into
         their host rows, keys rotated to their virtual positions (on CUDA
         asynchronously; `bind` settles them before the next step). A capture
-        that missed a layer fails its slots."""
+        that missed a layer fails its slots, and so do the planned rows of a
+        step whose forward never reached the attention hook (e.g. vLLM
+        replayed the KV-cache update from a CUDA graph): those blocks are
+        never committed, so they are misses, never stale KV."""
         capture, self._capture = self._capture, None
+        if not self._forward_begun and len(self._plan.capture_host_rows):
+            lost = set((self._plan.capture_host_rows // self.config.block_tokens).tolist())
+            self._failed_slots |= lost
+            self.stats.add("capture_failures", len(lost))
+            logger.warning("sekv: the attention hook never saw this step's forward: %d planned blocks dropped "
+                           "(is the KV-cache update captured in a CUDA graph?)", len(lost))
+            return
         if capture is not None and capture.paged:
             if capture.gather(*self._cache_views, self.rope):
                 self._views_checked = True
