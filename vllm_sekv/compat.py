@@ -144,6 +144,19 @@ def paged_kv_views(kv_cache: Any, kv_heads: int, head_dim: int) -> tuple[Any, An
     return None
 
 
+def kv_update_replayed_from_cuda_graphs(vllm_config: "VllmConfig") -> bool:
+    """Whether vLLM would replay the attention layers' KV-cache update from
+    captured CUDA graphs, where the attention hook (Python) never runs: graphs
+    are captured and the update op is not among the ops vLLM keeps out of
+    them (`compilation_config.splitting_ops`; with Inductor graph partition it
+    never is). vLLM's defaults (0.26, 0.32) keep it out; the CPU captures no
+    graphs."""
+    cc = vllm_config.compilation_config
+    if cc.cudagraph_mode.name == "NONE" or not (cc.cudagraph_capture_sizes or []):
+        return False
+    return not cc.splitting_ops_contain_kv_cache_update()
+
+
 def kv_cache_block_size(vllm_config: "VllmConfig") -> int:
     return vllm_config.cache_config.block_size
 

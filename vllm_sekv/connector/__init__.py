@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector.common import SekvMetadata
 from vllm_sekv.connector.stats import SekvPromMetrics, SekvStats
@@ -22,6 +23,12 @@ class SekvConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = SekvConfig.from_sources(extra)
+        if compat.kv_update_replayed_from_cuda_graphs(vllm_config):
+            raise ValueError(
+                "sekv: vLLM would replay the attention layers' KV-cache update from CUDA graphs "
+                "(compilation_config.splitting_ops without vllm::unified_kv_cache_update, or "
+                "compilation_config.use_inductor_graph_partition), where sekv cannot capture new KV; "
+                "keep vLLM's default splitting_ops or run with --enforce-eager")
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from vllm_sekv.connector.scheduler import SekvSchedulerSide
