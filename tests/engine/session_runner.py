@@ -5,7 +5,7 @@
 SPEC: {"model": dir, "sekv": extra_config or null, "turns": [text, ...],
        "max_tokens": n, "salt": str, "other_salt": str, "dtype": str,
        "reset": bool (default true), "async_scheduling": bool (default false),
-       "hook_never_fires": bool (default false)}
+       "hook_never_fires": bool (default false), "cudagraph_mode": str (default: eager)}
 Each step's prompt is the previous prompt + the previous output + the next turn,
 as token ids (no re-tokenization at the seams). vLLM's prefix cache is reset
 before every step unless "reset" is false (then vLLM's own cache serves the
@@ -20,6 +20,9 @@ off in its platform hook although its engine and model runner support it;
 here that one override is lifted (`lift_cpu_async_override`), in this process
 (the engine core runs in-process), so CI exercises the scheduling mode the
 GPU machine uses.
+
+"cudagraph_mode": run with vLLM's CUDA graphs in this mode (e.g. "PIECEWISE",
+the one sekv asks vLLM for) instead of eager mode.
 
 "hook_never_fires": sekv's worker is never handed the layers' K/V, what a
 CUDA graph replaying vLLM's KV-cache update would do (a fake, in this
@@ -66,7 +69,9 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "sekv", "kv_role": "kv_both", "kv_connector_extra_config": spec["sekv"],
         }
-    llm = LLM(model=spec["model"], max_model_len=8192, enforce_eager=True,
+    if spec.get("cudagraph_mode"):
+        kwargs["compilation_config"] = {"cudagraph_mode": spec["cudagraph_mode"]}
+    llm = LLM(model=spec["model"], max_model_len=8192, enforce_eager=not spec.get("cudagraph_mode"),
               gpu_memory_utilization=0.5, seed=0, dtype=spec.get("dtype", "auto"), **kwargs)
     tok = llm.get_tokenizer()
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)

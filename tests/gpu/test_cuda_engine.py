@@ -27,11 +27,12 @@ SEKV = {"host_bytes": "2G", "block_tokens": BLOCK_TOKENS, "restore_mode": "layer
 SEKV_BATCHED = {**SEKV, "restore_mode": "batched"}
 
 
-def run_session(tmp_path, model_dir, essay, sekv, reset):
+def run_session(tmp_path, model_dir, essay, sekv, reset, cudagraph_mode=None):
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
-    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24,
+    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24, "cudagraph_mode": cudagraph_mode,
             "salt": "tenant-a", "other_salt": "tenant-b", "dtype": "bfloat16", "reset": reset}
     name = f"{'sekv-' + sekv.get('restore_mode', 'auto') if sekv is not None else 'plain'}-{'reset' if reset else 'warm'}"
+    name += f"-{cudagraph_mode.lower()}" if cudagraph_mode else ""
     return run_runner("session_runner.py", spec, tmp_path, name)
 
 
@@ -78,3 +79,18 @@ def test_tenants_with_different_salts_never_share_blocks(runs):
     sekv = runs[2]
     assert sekv["probe"]["other_salt"]["num_cached_tokens"] == 0
     assert sekv["probe"]["same_salt"]["num_cached_tokens"] > 0
+
+
+def test_under_cuda_graphs_outputs_equal_plain_vllm_and_restores_compute_only_new_tokens(tmp_path, model_dir, essay):
+    """With CUDA graphs (vLLM's GPU default), sekv gets piecewise ones, with
+    attention and the KV-cache update outside them, where its hook is. The
+    reference runs the same graph mode, so that both compute with the same
+    kernels."""
+    warm = run_session(tmp_path, model_dir, essay, None, reset=False, cudagraph_mode="PIECEWISE")
+    sekv = run_session(tmp_path, model_dir, essay, SEKV, reset=True, cudagraph_mode="PIECEWISE")
+    for w, s in zip(warm["steps"], sekv["steps"]):
+        assert s["output_token_ids"] == w["output_token_ids"]
+        assert s["num_cached_tokens"] == w["num_cached_tokens"]
+    for prev, step in zip(sekv["steps"], sekv["steps"][1:]):
+        computed_before = len(prev["prompt_token_ids"]) + len(prev["output_token_ids"]) - 1
+        assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == computed_before // BLOCK_TOKENS * BLOCK_TOKENS
