@@ -152,7 +152,8 @@ def kv_update_replayed_from_cuda_graphs(vllm_config: "VllmConfig") -> bool:
     never is). vLLM's defaults (0.26, 0.32) keep it out; the CPU captures no
     graphs."""
     cc = vllm_config.compilation_config
-    if cc.cudagraph_mode.name == "NONE" or not (cc.cudagraph_capture_sizes or []):
+    mode = cc.cudagraph_mode  # None until vLLM resolves it (it has by the time a connector starts)
+    if mode is None or mode.name == "NONE" or not (cc.cudagraph_capture_sizes or []):
         return False
     return not cc.splitting_ops_contain_kv_cache_update()
 
