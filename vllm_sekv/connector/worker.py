@@ -585,11 +585,8 @@ class SekvWorkerSide:
         never committed, so they are misses, never stale KV."""
         capture, self._capture = self._capture, None
         if not self._forward_begun and len(self._plan.capture_host_rows):
-            lost = set((self._plan.capture_host_rows // self.config.block_tokens).tolist())
-            self._failed_slots |= lost
-            self.stats.add("capture_failures", len(lost))
-            logger.warning("sekv: the attention hook never saw this step's forward: %d planned blocks dropped "
-                           "(is the KV-cache update captured in a CUDA graph?)", len(lost))
+            self._fail_rows(self._plan.capture_host_rows, "the attention hook never saw this step's forward: "
+                            "is the KV-cache update captured in a CUDA graph?")
             return
         if capture is not None and capture.paged:
             if capture.gather(*self._cache_views, self.rope):
@@ -600,10 +597,18 @@ class SekvWorkerSide:
                 self._cache_views = None
         if capture is None or self.capture_writer.write(capture, self.rope):
             return
-        lost = set((capture.host_rows // self.config.block_tokens).tolist())
+        self._fail_rows(capture.host_rows, "a layer's K/V never reached the capture")
+
+    def _fail_rows(self, host_rows: np.ndarray, why: str) -> None:
+        """Fail the host slots of `host_rows` in this step's report: their
+        blocks are never committed (misses, recomputed)."""
+        lost = set((host_rows // self.config.block_tokens).tolist())
         self._failed_slots |= lost
-        self.stats.add("capture_failures", len(lost))
-        logger.warning("sekv: %d captured blocks dropped (a layer's K/V never reached the capture)", len(lost))
+        self._count_dropped(len(lost), why)
+
+    def _count_dropped(self, blocks: int, why: str) -> None:
+        self.stats.add("capture_failures", blocks)
+        logger.warning("sekv: %d captured blocks dropped (%s)", blocks, why)
 
     def _step_rows(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found [len(want)] bool, batch row of each found paged slot) in this
@@ -620,11 +625,7 @@ class SekvWorkerSide:
         batch). Planned slots absent from the batch fail their host slot."""
         found, rows = self._step_rows(plan.capture_paged_slots)
         if not found.all():
-            bt = self.config.block_tokens
-            lost = set((plan.capture_host_rows[~found] // bt).tolist())
-            self._failed_slots |= lost
-            self.stats.add("capture_failures", len(lost))
-            logger.warning("sekv: %d captured blocks dropped (rows missing from the batch)", len(lost))
+            self._fail_rows(plan.capture_host_rows[~found], "rows missing from the batch")
         if not len(rows):
             return None
         deltas = plan.capture_rope_deltas[found] if len(plan.capture_rope_deltas) else None
@@ -715,9 +716,8 @@ class SekvWorkerSide:
                 waiting.append(fact)
             elif isinstance(fact, RestoreTiming):
                 self.stats.add("restore_seconds", fact.seconds())
-            elif fact.failed():
-                self.stats.add("capture_failures", len(fact.failed()))
-                logger.warning("sekv: %d captured blocks dropped (rows missing from the batch)", len(fact.failed()))
+            elif fact.failed():  # the report carries the slots; here only counted
+                self._count_dropped(len(fact.failed()), "rows missing from the batch")
         self._unsettled = waiting
 
     def _drain_nvme(self) -> list[tuple[str, bytes, bool]]:
