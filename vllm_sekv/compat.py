@@ -158,6 +158,41 @@ def kv_update_replayed_from_cuda_graphs(vllm_config: "VllmConfig") -> bool:
     return not cc.splitting_ops_contain_kv_cache_update()
 
 
+def full_graph_replay(forward_context: Any) -> bool:
+    """Whether this step's forward replays a full CUDA graph, where no Python
+    runs between its layers (no attention hook, no `wait_for_layer_load`).
+    vLLM 0.26's model runner (V2) starts the KV loads of such a step outside
+    any forward context (no attention metadata); vLLM 0.32's marks the
+    context FULL. Steps without a forward have no metadata either, and
+    nothing for a hook to do."""
+    if getattr(forward_context, "attn_metadata", None) is None:
+        return True
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) == "FULL"
+
+
+def full_graph_slot_mapping(forward_context: Any, seen: Any, num_tokens: int) -> Any | None:
+    """The slot mapping (paged slot of each batch row) of a step that replays
+    a full CUDA graph, its first `num_tokens` rows; None if not at hand.
+
+    vLLM 0.32 keeps it in the forward context (per layer; sekv's layers share
+    one KV-cache group). vLLM 0.26 (V2 runner) has no context there: the graph
+    reads the mapping from the persistent buffer it was captured with, which
+    the runner fills before every forward, piecewise or full, and pads with
+    -1 past the batch. `seen` is a mapping an attention layer was handed in
+    an earlier step, a view into that buffer; this reads the buffer from the
+    same place, on the stream, so after this step's fill."""
+    by_layer = getattr(forward_context, "slot_mapping", None)
+    if isinstance(by_layer, dict) and by_layer:
+        return next(iter(by_layer.values()))[:num_tokens]
+    if seen is None or seen.dim() != 1:
+        return None
+    room = seen.untyped_storage().nbytes() // seen.element_size() - seen.storage_offset()
+    if num_tokens > room:
+        return None
+    return seen.as_strided((num_tokens,), (seen.stride(0),), seen.storage_offset())
+
+
 def kv_cache_block_size(vllm_config: "VllmConfig") -> int:
     return vllm_config.cache_config.block_size
 

@@ -21,8 +21,10 @@ same GPU memory setting and a plain context of `--view-tokens` tokens: cold
 decode speed at that context. Every figure is measured here; the engine runs
 in eager mode in both cases (`enforce_eager`), or with `--cuda-graphs` with
 vLLM's CUDA graphs, its default on GPUs (plain vLLM then replays whole
-decode steps; sekv asks for piecewise graphs, attention and the KV-cache
-update run eagerly, where its hook is). Both schedule the way vLLM
+decode steps; sekv's prefills run piecewise graphs, attention and the
+KV-cache update eagerly, where its hook is, and its decode batches replay
+full graphs too, their tokens captured around the graph; the report names
+the mode vLLM resolved for each engine). Both schedule the way vLLM
 does by default (asynchronously on GPUs); engines `plain-sync` and
 `sekv-sync` turn vLLM's asynchronous scheduling off, which separates its
 gain from the connector's own cost.
@@ -200,6 +202,9 @@ def engine_main(spec: dict) -> None:
             rows[-1]["decode_timers"] = decode["decode_timers"]
         print(f"[{spec['engine']}] cold {cold['ttft_s']:.3f} s, warm {rows[-1]['warm_ttft_s']:.3f} s, "
               f"decode {decode['decode_s_per_token'] * 1e3:.2f} ms/token, {rows[-1]['memory']}", flush=True)
+    graphs = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+    for row in rows:
+        row["cudagraph_mode"] = getattr(graphs, "name", None)  # as vLLM resolved it
     Path(spec["out"]).write_text(json.dumps(rows))
 
 
@@ -221,6 +226,9 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
     sekv = [r for r in rows if r["engine"] == "sekv"]
     sekv_sync = next((r for r in rows if r["engine"] == "sekv-sync" and "decode" in r), None)
     commands = commands or [f"python benchmarks/gpu/views_e2e.py {' '.join(sys.argv[1:])}"]
+    modes = ", ".join(f"{r['engine']} {r['cudagraph_mode']}" for r in {r["engine"]: r for r in rows}.values()
+                      if r.get("cudagraph_mode"))
+    graphs = f"CUDA graphs (vLLM default; {modes})" if modes else "CUDA graphs (vLLM default)"
     lines = [
         "# GPU end to end: a long session served from execution views",
         "",
@@ -229,7 +237,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
         *[f"    {c}" for c in commands],
         "",
         f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, "
-        f"{'CUDA graphs (vLLM default; sekv piecewise)' if args.cuda_graphs else 'eager'}, one H200; "
+        f"{graphs if args.cuda_graphs else 'eager'}, one H200; "
         f"views of {args.view_tokens} tokens, {NEW_TOKENS} new tokens per step, history KV in sekv's pinned "
         f"host tier ({args.host_bytes}). Time to first token = probe (new tokens + block scoring on the GPU "
         "index) + final pass (restore of the view with re-RoPE + new tokens), median of the steps. "

@@ -84,12 +84,14 @@ def test_a_report_crosses_processes_settled_and_ranks_combine_settled_reports():
 @CUDA
 def test_on_cuda_a_check_and_a_timing_are_built_without_waiting_for_the_gpu():
     stream = torch.cuda.current_stream()
+    mapping = torch.tensor([5, 6, 7], device="cuda")  # before the GPU is busy: a pageable copy waits for it
+    want = torch.tensor([6, 8], device="cuda")
+    assert CaptureCheck(want, mapping, np.array([2, 3])).failed() == {3}  # the pinned allocator's block, as in serving
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
     torch.cuda._sleep(1_000_000_000)  # the GPU is busy for about half a second
     end.record(stream)
-    mapping = torch.tensor([5, 6, 7], device="cuda")
-    check = CaptureCheck(torch.tensor([6, 8], device="cuda"), mapping, np.array([2, 3]))
+    check = CaptureCheck(want, mapping, np.array([2, 3]))
     timing = RestoreTiming(start, end, [("r", 1.0)])
     assert not check.ready() and not timing.ready()  # built while the device is still busy
     assert check.failed() == {3}

@@ -21,8 +21,14 @@ here that one override is lifted (`lift_cpu_async_override`), in this process
 (the engine core runs in-process), so CI exercises the scheduling mode the
 GPU machine uses.
 
-"cudagraph_mode": run with vLLM's CUDA graphs in this mode (e.g. "PIECEWISE",
-the one sekv asks vLLM for) instead of eager mode.
+"cudagraph_mode": run with vLLM's CUDA graphs in this mode (e.g.
+"FULL_AND_PIECEWISE", vLLM's GPU default) instead of eager mode; the mode vLLM
+resolved it to (a connector may ask for less) is in the output.
+
+"full_graph_decode": steps of one token per request run as vLLM runs them
+under full CUDA graphs on GPUs: the attention hook never fires and the loads
+start without attention metadata (vLLM 0.26's runner). A fake, in this
+process: CPUs capture no graphs.
 
 "hook_never_fires": sekv's worker is never handed the layers' K/V, what a
 CUDA graph replaying vLLM's KV-cache update would do (a fake, in this
@@ -50,6 +56,32 @@ def lift_cpu_async_override() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def fake_full_graph_decode() -> None:
+    """Decode batches as full-CUDA-graph replays reach sekv's worker (see
+    "full_graph_decode" above)."""
+    from types import SimpleNamespace
+
+    from vllm_sekv.connector.worker import SekvWorkerSide
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    start_load_kv, capture_kv = SekvWorkerSide.start_load_kv, SekvWorkerSide.capture_kv
+
+    def decode_batch(worker) -> bool:  # these sessions run one request at a time
+        return worker._plan is not None and worker._plan.batch_tokens == 1
+
+    def start_without_metadata(self, forward_context):
+        if decode_batch(self):
+            forward_context = SimpleNamespace(attn_metadata=None, no_compile_layers=forward_context.no_compile_layers)
+        start_load_kv(self, forward_context)
+
+    def capture_unless_decode(self, layer, key, value, slot_mapping):
+        if not decode_batch(self):
+            capture_kv(self, layer, key, value, slot_mapping)
+
+    SekvWorkerSide.start_load_kv = start_without_metadata
+    SekvWorkerSide.capture_kv = capture_unless_decode
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -61,6 +93,8 @@ def main(spec_path: str, out_path: str) -> None:
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         SekvWorkerSide.capture_kv = lambda self, layer, key, value, slot_mapping: None
+    if spec.get("full_graph_decode"):
+        fake_full_graph_decode()
     if spec.get("async_scheduling"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         lift_cpu_async_override()
@@ -96,7 +130,9 @@ def main(spec_path: str, out_path: str) -> None:
              "same_salt": run(steps[-1]["prompt_token_ids"], spec["salt"])}
     sc = llm.llm_engine.vllm_config.scheduler_config
     scheduler = {"class": str(sc.scheduler_cls), "async_scheduling": bool(sc.async_scheduling)}
-    json.dump({"steps": steps, "probe": probe, "scheduler": scheduler}, open(out_path, "w"))
+    graphs = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+    json.dump({"steps": steps, "probe": probe, "scheduler": scheduler, "cudagraph_mode": getattr(graphs, "name", None)},
+              open(out_path, "w"))
 
 
 if __name__ == "__main__":

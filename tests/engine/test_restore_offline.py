@@ -30,6 +30,7 @@ def run_session(tmp_path, model_dir, essay, sekv, dtype, reset=True, **more):
 
 
 SEKV = {"host_bytes": "512M", "block_tokens": BLOCK_TOKENS}
+VLLM_CPU_PAGE_TOKENS = 128  # vLLM's KV-cache page on CPUs (its block_size there)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,15 @@ def test_greedy_outputs_equal_plain_vllm_prefilling_everything(runs):
 
 
 def test_bf16_greedy_outputs_equal_plain_vllm_with_its_own_prefix_cache(tmp_path, model_dir, essay):
+    """sekv's blocks here are vLLM's CPU pages (128 tokens): both restore the
+    same history and compute the same remainder, so the same kernels see the
+    same shapes (bf16 results depend on them, differently on each CPU)."""
     warm = run_session(tmp_path, model_dir, essay, None, "bfloat16", reset=False)
     assert warm["steps"][2]["num_cached_tokens"] > 0  # vLLM's own cache served the history
-    sekv = run_session(tmp_path, model_dir, essay, SEKV, "bfloat16")
-    assert sekv["steps"][2]["num_cached_tokens"] > 0  # sekv restored it after the reset
+    page = {**SEKV, "block_tokens": VLLM_CPU_PAGE_TOKENS, "sink_tokens": VLLM_CPU_PAGE_TOKENS}
+    sekv = run_session(tmp_path, model_dir, essay, page, "bfloat16")
+    for w, s in zip(warm["steps"], sekv["steps"]):
+        assert s["num_cached_tokens"] == w["num_cached_tokens"]  # sekv restored what vLLM's cache held
     assert_same_greedy_outputs(warm, sekv)
 
 
@@ -102,3 +108,24 @@ def test_blocks_the_hook_never_saw_are_misses_not_stale_kv(runs, tmp_path, model
     for step in blind["steps"]:
         assert step["num_cached_tokens"] == 0
         assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0
+
+
+def test_decode_steps_replayed_from_full_graphs_store_nothing_unchecked(runs, tmp_path, model_dir, essay):
+    """Decode batches that vLLM replays from full CUDA graphs run no hook;
+    sekv sets their capture up before the forward, from the paged cache it
+    has checked (GPUs). Here (a CPU, no paged cache views) it cannot check:
+    the blocks holding decoded tokens are misses, recomputed by the next
+    step, which restores exactly the blocks of the previous prompt; outputs
+    equal plain vLLM's."""
+    plain, _ = runs
+    decoded_unhooked = run_session(tmp_path, model_dir, essay, SEKV, "float32", full_graph_decode=True)
+    assert_same_greedy_outputs(plain, decoded_unhooked)
+    steps = decoded_unhooked["steps"]
+    short_of_the_decoded = []
+    for prev, step in zip(steps, steps[1:]):
+        restored = step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"]
+        assert restored == len(prev["prompt_token_ids"]) // BLOCK_TOKENS * BLOCK_TOKENS
+        assert step["num_cached_tokens"] == restored
+        computed = len(prev["prompt_token_ids"]) + len(prev["output_token_ids"]) - 1
+        short_of_the_decoded.append(restored < computed // BLOCK_TOKENS * BLOCK_TOKENS)
+    assert any(short_of_the_decoded)  # a block with decoded tokens would have been restored

@@ -82,12 +82,15 @@ def test_tenants_with_different_salts_never_share_blocks(runs):
 
 
 def test_under_cuda_graphs_outputs_equal_plain_vllm_and_restores_compute_only_new_tokens(tmp_path, model_dir, essay):
-    """With CUDA graphs (vLLM's GPU default), sekv gets piecewise ones, with
-    attention and the KV-cache update outside them, where its hook is. The
-    reference runs the same graph mode, so that both compute with the same
-    kernels."""
-    warm = run_session(tmp_path, model_dir, essay, None, reset=False, cudagraph_mode="PIECEWISE")
-    sekv = run_session(tmp_path, model_dir, essay, SEKV, reset=True, cudagraph_mode="PIECEWISE")
+    """With vLLM's default CUDA graphs on GPUs: piecewise graphs for prefills
+    (attention, the KV-cache update and sekv's hook outside them) and full
+    graphs for decode batches, whose tokens sekv captures around the graph.
+    Every step's decoded tokens come back restored, so those captures landed;
+    the reference runs the same graph mode, so that both compute with the
+    same kernels."""
+    warm = run_session(tmp_path, model_dir, essay, None, reset=False, cudagraph_mode="FULL_AND_PIECEWISE")
+    sekv = run_session(tmp_path, model_dir, essay, SEKV, reset=True, cudagraph_mode="FULL_AND_PIECEWISE")
+    assert sekv["cudagraph_mode"] == warm["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     for w, s in zip(warm["steps"], sekv["steps"]):
         assert s["output_token_ids"] == w["output_token_ids"]
         assert s["num_cached_tokens"] == w["num_cached_tokens"]

@@ -6,7 +6,9 @@ cache, it hands the same tensors — `[tokens, kv_heads, head_dim]`, straight
 from the attention layer's inputs — to the active sekv connector's
 `capture_kv(layer, key, value, slot_mapping)`, for as long as the connector's
 `capture_layers` asks for them (in a CUDA decode step only the first layer's:
-the capture reads the paged cache after the forward, `compat.paged_kv_views`);
+the capture reads the paged cache after the forward, `compat.paged_kv_views`;
+none where vLLM replays the step from a full CUDA graph, where no hook runs
+and the worker sets the capture up before the forward);
 and, in steps where the connector's `attention_hooks` is true, before
 attention it shows the layer's queries to `observe_queries(layer, query)` (a
 probe scores the block index with them), after making sure the layer's

@@ -129,9 +129,14 @@ class SekvConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:
-        """The attention hook is Python: a full CUDA graph would replay decode
-        steps without it (no capture). Piecewise graphs run attention eagerly."""
-        return True
+        """Whether vLLM must keep to piecewise CUDA graphs (attention, and the
+        attention hook, outside them). Decode batches may replay full graphs:
+        the worker does such a step's capture around the graph, and finishes
+        its restores before it (`SekvWorkerSide._begin_unhooked_forward`).
+        SeKV coarse attention and surprisal act inside every layer of every
+        step: with either on, piecewise."""
+        config = SekvConfig.from_sources(extra_config)
+        return config.coarse == "on" or config.surprisal == "on"
 
     # ------------------------------------------------------------ metrics
 

@@ -99,6 +99,17 @@ class ProbeScorer:
             if op.last and layer_idx == self.geometry.num_layers - 1:
                 self._done[op.req_id] = self._score_rows(self._acc.pop(op.req_id, None), op)
 
+    def unobserved(self, ops: list[ScoreOp]) -> None:
+        """This step's probes ran in a forward that showed no layer's queries
+        (a full CUDA graph replay): a probe ending here reports what its
+        earlier steps scored, if anything (nothing: the scheduler side ranks
+        by recency, with a warning)."""
+        for op in ops:
+            if op.last:
+                self._router_queries.pop(op.req_id, None)
+                acc = self._acc.pop(op.req_id, None) if self.router is None else None
+                self._done[op.req_id] = self._score_rows(acc, op)
+
     def take_done(self) -> dict[str, np.ndarray]:
         """The probes finished since the last call: req_id -> report rows."""
         done, self._done = self._done, {}

@@ -166,7 +166,9 @@ class SekvSchedulerSide:
             for req_id, n in scheduler_output.num_scheduled_tokens.items()
             if req_id in self._requests
         }
-        return SekvMetadata(self.planner.plan_step(scheduled, self._tokens_of))
+        plan = self.planner.plan_step(scheduled, self._tokens_of)
+        plan.batch_tokens = scheduler_output.total_num_scheduled_tokens
+        return SekvMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -178,6 +178,10 @@ class SekvWorkerSide:
         # (batch row of each sorted slot, the sorted slots).
         self._forward_begun = False
         self._step_mapping: tuple[np.ndarray, np.ndarray] | None = None
+        # The slot mapping the first layer was handed in the last forward
+        # that ran the hook: where a full-CUDA-graph step's mapping is read
+        # on vLLM 0.26 (`compat.full_graph_slot_mapping`).
+        self._slot_mapping_seen: torch.Tensor | None = None
         # SeKV zoom router (config `router_path`): scores probes instead of Mean-K.
         self.router: Any = None
         # SeKV coarse attention (config `coarse`): per view, the summaries of
@@ -345,9 +349,12 @@ class SekvWorkerSide:
         plan = self._plan
         if plan is None or self.pool is None:
             return
+        unhooked = not self._forward_begun and compat.full_graph_replay(forward_context)
         exact = [op for op in plan.restores if not op.lowrank]
         if self.pipeline is not None and exact:
             self._restore_cuda(forward_context, exact)
+            if unhooked and self._layerwise is not None:
+                self._layerwise.finish()  # no layer will ask for its KV: all of it before the forward
         row_bytes = self.pool.block_bytes // self.config.block_tokens
         for op in plan.restores:
             if self.pipeline is None or op.lowrank:
@@ -370,6 +377,8 @@ class SekvWorkerSide:
             self._begin_coarse(plan)
         if self._layerwise is not None:
             self.attention_hooks = True  # its safety net: `wait_for_layer_load` before each attention
+        if unhooked:
+            self._begin_unhooked_forward(forward_context)
 
     def _begin_coarse(self, plan: StepPlan) -> None:
         """Build the summaries of views starting in this step (all layers,
@@ -548,6 +557,33 @@ class SekvWorkerSide:
         if self._capture is not None and not self._capture.paged:
             self._capture.take(self.layer_of[layer.layer_name], key, value)
 
+    def _begin_unhooked_forward(self, forward_context: Any) -> None:
+        """Before a forward that replays a full CUDA graph (vLLM's decode
+        batches): no attention hook will run, so what it does at the first
+        layer happens here. A paged capture takes the step's slot mapping
+        from vLLM (`compat.full_graph_slot_mapping`) and checks its slots on
+        the device as in any step; with no mapping at hand, or cache views
+        no piecewise step has checked yet, the planned rows fail (misses,
+        recomputed). Probes see no query: one that ends here reports what
+        its earlier steps scored (nothing: the view takes recent blocks).
+        Coarse merges and surprisal need every layer of every step: with
+        them on, sekv keeps vLLM on piecewise graphs
+        (`SekvConnector.requires_piecewise_for_cudagraph`)."""
+        plan = self._plan
+        self._forward_begun = True
+        if plan.scores and self.probes is not None:
+            self.probes.unobserved(plan.scores)
+        if not len(plan.capture_paged_slots):
+            return
+        mapping = None
+        if self._views_checked and self._cache_views is not None:
+            mapping = compat.full_graph_slot_mapping(forward_context, self._slot_mapping_seen, plan.batch_tokens)
+        if mapping is None:
+            self._fail_rows(plan.capture_host_rows, "a full CUDA graph step with no slot mapping or "
+                            "checked paged cache views at hand")
+            return
+        self._capture = self._paged_capture(plan, mapping)
+
     def _begin_forward(self, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Once per forward, at its first layer: where the plan's rows sit in
         this batch (one slot mapping serves every layer). The mapping is read
@@ -557,6 +593,7 @@ class SekvWorkerSide:
         paged capture checks its slots against the batch on the device
         (`CaptureCheck`): a decode step never waits for the GPU."""
         plan = self._plan
+        self._slot_mapping_seen = slot_mapping
         capture = len(plan.capture_paged_slots) > 0
         rows_needed = bool(plan.scores or plan.coarse or plan.surprisal)
         if capture and self._views_checked and self._cache_views is not None and not rows_needed:

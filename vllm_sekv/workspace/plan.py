@@ -118,6 +118,9 @@ class CoarseOp:
 @dataclass
 class StepPlan:
     step_id: int
+    # Tokens of every request in this step's batch (vLLM's total, sekv's or
+    # not): the rows of the step's slot mapping.
+    batch_tokens: int = 0
     restores: list[RestoreOp] = field(default_factory=list)
     # Capture: K/V written at paged slot capture_paged_slots[i] in this step's
     # forward go to host row capture_host_rows[i].
