@@ -8,8 +8,8 @@ the new tokens. Greedy outputs must be identical.
 Identical to what? In float32, to plain vLLM prefilling everything. In bf16,
 vLLM's own prefix-cached prefill already rounds differently from a cold
 prefill (greedy outputs can drift after a few dozen tokens); there the
-reference is plain vLLM whose own prefix cache holds the history, the case
-sekv stands in for. Both comparisons run.
+reference is the same engine whose own prefix cache holds the history, the
+case sekv stands in for. Both comparisons run.
 """
 import pytest
 
@@ -52,17 +52,23 @@ def test_greedy_outputs_equal_plain_vllm_prefilling_everything(runs):
     assert_same_greedy_outputs(*runs)
 
 
-def test_bf16_greedy_outputs_equal_plain_vllm_with_its_own_prefix_cache(tmp_path, model_dir, essay):
-    """sekv's blocks here are vLLM's CPU pages (128 tokens): both restore the
-    same history and compute the same remainder, so the same kernels see the
-    same shapes (bf16 results depend on them, differently on each CPU)."""
-    warm = run_session(tmp_path, model_dir, essay, None, "bfloat16", reset=False)
-    assert warm["steps"][2]["num_cached_tokens"] > 0  # vLLM's own cache served the history
+def test_bf16_a_restore_gives_the_outputs_of_vllms_own_prefix_cache(tmp_path, model_dir, essay):
+    """In bf16 the reference is the same engine with vLLM's own prefix cache
+    holding the history (no reset: sekv restores nothing). sekv's blocks are
+    vLLM's CPU pages (128 tokens) here, so both hold the same history and
+    compute the same remainder, with the same kernels on the same shapes.
+    (Against plain vLLM without the connector, bf16 outputs matched on an
+    AVX-512 CPU and drift after a few dozen tokens on an AVX2 one even
+    without any restore; float32 matches plain vLLM, the tests above.)"""
     page = {**SEKV, "block_tokens": VLLM_CPU_PAGE_TOKENS, "sink_tokens": VLLM_CPU_PAGE_TOKENS}
-    sekv = run_session(tmp_path, model_dir, essay, page, "bfloat16")
-    for w, s in zip(warm["steps"], sekv["steps"]):
+    warm = run_session(tmp_path, model_dir, essay, page, "bfloat16", reset=False)
+    assert warm["steps"][2]["num_cached_tokens"] > 0  # vLLM's own cache served the history
+    assert warm["steps"][2]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0
+    restored = run_session(tmp_path, model_dir, essay, page, "bfloat16")
+    for w, s in zip(warm["steps"], restored["steps"]):
         assert s["num_cached_tokens"] == w["num_cached_tokens"]  # sekv restored what vLLM's cache held
-    assert_same_greedy_outputs(warm, sekv)
+    assert restored["steps"][2]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] > 0
+    assert_same_greedy_outputs(warm, restored)
 
 
 def test_plain_vllm_prefills_everything_after_a_cache_reset(runs):
