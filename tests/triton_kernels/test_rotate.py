@@ -45,3 +45,19 @@ def test_cpu_deltas_and_empty_keys():
     deltas = torch.tensor([3, 1, 4, 1, 5])
     assert torch.equal(ops.rotate_keys(keys, deltas, rope), reference.rotate_keys(keys, deltas, rope))
     assert ops.rotate_keys(keys[:0], deltas[:0], rope).shape == (0, 2, 64)
+
+
+def test_a_rotation_never_waits_for_the_device():
+    """Re-RoPE runs inside the forward pass (captures, probes, restores): it
+    must enqueue and return while the GPU is still busy. Copying the RoPE's
+    frequencies from host memory at every call made the host wait for every
+    queued kernel; they are copied to the device once."""
+    rope = _rope(128, True)
+    keys = torch.randn(16, 8, 128, device="cuda").to(torch.bfloat16)
+    deltas = torch.arange(16, device="cuda")
+    ops.rotate_keys(keys, deltas, rope)  # the frequencies' one copy to the device
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # the GPU is busy for about half a second
+    rotated = ops.rotate_keys(keys, deltas + 1, rope)
+    assert not torch.cuda.current_stream().query()  # the host went on
+    assert torch.equal(rotated, reference.rotate_keys(keys, deltas + 1, rope))

@@ -27,15 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import RopeSpec
+from .reference import RopeSpec, inv_freq_on
 from .scatter_reference import check_scatter_args
 
 _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def rope_cos_sin(delta_positions: torch.Tensor, rope: RopeSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin tables [tokens, rotary_dim/2] of `delta * inv_freq` formed in float64."""
-    inv_freq = rope.inv_freq.to(device=device, dtype=torch.float64)
+    """float32 cos/sin tables [tokens, rotary_dim/2] of `delta * inv_freq` formed in float64.
+    Never waits for the device (`delta_positions` must be on it already)."""
+    inv_freq = inv_freq_on(rope, device)
     angles = delta_positions.to(device=device, dtype=torch.float64)[:, None] * inv_freq
     return angles.cos().to(torch.float32).contiguous(), angles.sin().to(torch.float32).contiguous()
 

@@ -39,8 +39,10 @@ class RopeSpec:
 _INV_FREQ_ON: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _inv_freq_on(rope: RopeSpec, device: torch.device) -> torch.Tensor:
-    """`rope.inv_freq` as float64 on `device`, copied there once."""
+def inv_freq_on(rope: RopeSpec, device: torch.device) -> torch.Tensor:
+    """`rope.inv_freq` as float64 on `device`, copied there once: a copy from
+    pageable host memory makes the host wait for every kernel queued on the
+    stream, which code inside the forward pass must never do."""
     src = rope.inv_freq
     if src.device == device:
         return src.to(torch.float64)
@@ -66,7 +68,7 @@ def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpe
             f"delta_positions must be [{keys.shape[0]}], got {tuple(delta_positions.shape)}"
         )
     rd = rope.rotary_dim
-    inv_freq = _inv_freq_on(rope, keys.device)
+    inv_freq = inv_freq_on(rope, keys.device)
     angles = delta_positions.to(device=keys.device, dtype=torch.float64)[:, None] * inv_freq
     cos = angles.cos().to(torch.float32)[:, None, :]  # [T, 1, rd/2]
     sin = angles.sin().to(torch.float32)[:, None, :]
