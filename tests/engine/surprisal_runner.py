@@ -38,7 +38,7 @@ def main(spec_path: str, out_path: str) -> None:
             extra["nvme_dir"] = spec["nvme_dir"]
         kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
                                         "kv_connector_extra_config": extra}
-    llm = LLM(model=spec["model"], max_model_len=4096, enforce_eager=True, seed=0, dtype="bfloat16",
+    llm = LLM(model=spec["model"], max_model_len=4096, enforce_eager=True, seed=0, dtype=spec.get("dtype", "bfloat16"),
               max_num_batched_tokens=spec["max_num_batched_tokens"], enable_chunked_prefill=True, **kwargs)
     if spec["mode"] == "plain":
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
