@@ -56,6 +56,11 @@ LLAMA31_8B = {
 }
 
 
+# The follow-up's path from submission to its restore's first copies.
+TIMELINE = ["llm.add_request", "scheduler.schedule", "sekv.sched.get_num_new_matched_tokens",
+            "sekv.sched.build_connector_meta", "sekv.worker.bind", "sekv.layerwise.start", "sekv.worker.start_load_kv"]
+
+
 def h2d_bandwidth(gib: int = 1, repeats: int = 5) -> float:
     import torch
 
@@ -154,6 +159,10 @@ def engine_main(spec: dict) -> None:
                 loads = host_timers.first_end_after("connector.pre_forward", submitted)
                 if loads is not None:  # the restore's first copies are enqueued by then (both connectors)
                     timers["submit_to_loads_enqueued"] = {"calls": 1, "ms": (loads - submitted) * 1e3}
+                for label in TIMELINE:  # where those milliseconds went
+                    end = host_timers.first_end_after(label, submitted)
+                    if end is not None:
+                        timers[f"submit_to_end_of {label}"] = {"calls": 1, "ms": (end - submitted) * 1e3}
             times.append(seconds)
             cached.append(out.num_cached_tokens)
             params_seen = out.kv_transfer_params
@@ -259,7 +268,8 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
         lines += ["", f"Host time of the last follow-up at {length // 1024}K (`--timers`, engine in the benchmark's "
                   "process; ms, calls in brackets; nested methods count in their callers too; "
                   "`submit_to_loads_enqueued`: from the request's submission to the end of the first "
-                  "`connector.pre_forward`, where both connectors enqueue the restore's copies):", "",
+                  "`connector.pre_forward`, where both connectors enqueue the restore's copies; `submit_to_end_of X`: "
+                  "to the end of X's first call after the submission):", "",
                   "| method | " + " | ".join(r["engine"] for r in timed) + " |", "|---" * (len(timed) + 1) + "|"]
         for label in labels:
             cells = [f"{r['timers'][label]['ms']:.2f} ({r['timers'][label]['calls']:.0f})" if label in r["timers"]

@@ -55,12 +55,15 @@ class Session:
     """One engine driven step by step (`LLMEngine.step`), so that the first
     token and every later token are timed where they appear. With `timers`
     (the `host_timers` module, installed) a decode's result also holds the
-    host time per token between its first and its last token."""
+    host time per token between its first and its last token; with `audit`
+    (the `sync_audit` module, installed) every result holds the step's
+    synchronizations by place, and a decode's those per token."""
 
-    def __init__(self, llm, timers=None) -> None:
+    def __init__(self, llm, timers=None, audit=None) -> None:
         self.engine = llm.llm_engine
         self.count = 0
         self.timers = timers
+        self.audit = audit
 
     def run(self, ids: list[int], max_tokens: int, extra: dict | None = None) -> dict:
         from vllm import SamplingParams
@@ -70,6 +73,7 @@ class Session:
         rid = f"r{self.count}"
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra or None)
         t0 = time.perf_counter()
+        syncs_before = self.audit.snapshot() if self.audit else None
         self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
         first = last = None
         tokens = 0
@@ -82,9 +86,11 @@ class Session:
                 if n and first is None:
                     first = now
                     at_first = self.timers.snapshot() if self.timers else None
+                    syncs_first = self.audit.snapshot() if self.audit else None
                 if n > tokens:
                     tokens, last = n, now
                     at_last = self.timers.snapshot() if self.timers and n > 1 else None
+                    syncs_last = self.audit.snapshot() if self.audit else None
                 if o.finished:
                     out = o
             if out is not None:
@@ -95,6 +101,10 @@ class Session:
                   "kv_transfer_params": out.kv_transfer_params}
         if at_first is not None and at_last is not None:
             result["decode_timers"] = self.timers.diff(at_first, at_last, per=tokens - 1)
+        if self.audit:
+            result["syncs"] = self.audit.diff(syncs_before, self.audit.snapshot())
+            if tokens > 1:
+                result["decode_syncs"] = self.audit.diff(syncs_first, syncs_last, per=tokens - 1)
         return result
 
 
@@ -166,7 +176,12 @@ def engine_main(spec: dict) -> None:
     t0 = time.perf_counter()
     llm = make_llm(spec)
     print(f"[{spec['engine']}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
-    session = Session(llm, timers)
+    audit = None
+    if spec.get("sync_audit"):
+        import sync_audit as audit
+
+        audit.install()  # after start-up: its synchronizations are not a step's
+    session = Session(llm, timers, audit)
     rows: list[dict] = []
     engine = spec["engine"]
     if engine.startswith("sekv"):
@@ -279,6 +294,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
             line += f"; sekv-sync / plain-sync {ratio:.3f}x"
         lines += ["", line + "."]
     lines += timer_tables(rows)
+    lines += sync_tables(rows)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": " && ".join(commands)}, indent=1))
     print("\n".join(lines), flush=True)
@@ -305,6 +321,24 @@ def timer_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def sync_tables(rows: list[dict]) -> list[str]:
+    """Synchronizations per decode token and in the last timed step, per engine (`--sync-audit`)."""
+    import sync_audit
+
+    lines = []
+    for r in rows:
+        name = f"{r['engine']} {r.get('session_tokens', r.get('context_tokens', 0)) // 1024}K"
+        decode = r.get("decode", {})
+        if "decode_syncs" in decode:
+            lines += ["", *sync_audit.table(decode["decode_syncs"], f"Synchronizations per decode token, {name} "
+                                            "(`--sync-audit`; by the innermost sekv frame, else vLLM frame):")]
+        step = (r.get("steps") or r.get("warm") or [{}])[-1]
+        if "syncs" in step:
+            lines += ["", *sync_audit.table(step["syncs"], f"Synchronizations in one step (64 new tokens, 1 "
+                                            f"sampled), {name} (`--sync-audit`):")]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine-spec", help=argparse.SUPPRESS)
@@ -323,6 +357,8 @@ def main() -> None:
                     help="profile one more step, and one more decode, at the largest size (host side)")
     ap.add_argument("--timers", action="store_true",
                     help="host time per step and per decode token inside vLLM's and sekv's methods (host_timers.py)")
+    ap.add_argument("--sync-audit", action="store_true",
+                    help="count the synchronizing CUDA operations per step and decode token, by place (sync_audit.py)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="vLLM's CUDA graphs (its default on GPUs) instead of eager mode, for every engine")
     ap.add_argument("--out", default="benchmarks/results/gpu/views_e2e")
@@ -346,7 +382,8 @@ def main() -> None:
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab": vocab, "sizes": args.sizes,
             "view_tokens": args.view_tokens, "steps": args.steps, "decode_tokens": args.decode_tokens,
             "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s,
-            "profile": args.profile, "timers": args.timers, "cuda_graphs": args.cuda_graphs}
+            "profile": args.profile, "timers": args.timers, "cuda_graphs": args.cuda_graphs,
+            "sync_audit": args.sync_audit}
     rows: list[dict] = []
     for engine in args.engines:
         if engine.startswith("sekv"):

@@ -503,24 +503,28 @@ class SekvWorkerSide:
         before the forward), per `restore_mode`. Timed with CUDA events, read
         with the step's report (`RestoreTiming`)."""
         self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
-        layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, self.config.block_tokens) for op in ops]
-        host_slots = np.concatenate([slots for slots, _, _ in layouts])
+        bt = self.config.block_tokens
+        op_slots = [slot_runs_of_rows(op.host_rows // bt)[1] for op in ops]
+        host_slots = np.concatenate(op_slots)
         rerope = any(op.rope_deltas is not None for op in ops)
         mode = self.config.restore_mode
         if mode == "auto":
             mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
         if mode == "layerwise" and cudart.available():  # auto without libcudart: batched
-            mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.pipeline.device)
-            deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.pipeline.device)
-            write = self._layer_writer(forward_context, mapping, deltas if rerope else None)
-            job = LayerwiseRestore(self.pool.data, host_slots, write, self.pipeline.device,
+            writer = self._layer_writer(forward_context, rerope)
+            job = LayerwiseRestore(self.pool.data, host_slots, writer, self.pipeline.device,
                                    copy_stream=self.pipeline.copy_stream)
-            job.start()
+            job.start()  # the first layers move while their destinations are worked out
+            layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
+            mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.pipeline.device)
+            deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.pipeline.device) if rerope else None
+            writer.route(mapping, deltas)
             self._layerwise = job
-            self._layerwise_shares = [(op.req_id, len(slots) / len(host_slots)) for op, (slots, _, _) in zip(ops, layouts)]
+            self._layerwise_shares = [(op.req_id, len(slots) / len(host_slots)) for op, slots in zip(ops, op_slots)]
             return
+        layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
         for op, (slots, mapping, deltas) in zip(ops, layouts):
-            writer = self._layer_writer(forward_context, None, None, rerope=op.rope_deltas is not None)
+            writer = self._layer_writer(forward_context, op.rope_deltas is not None)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.pipeline.device),
@@ -528,13 +532,12 @@ class SekvWorkerSide:
             end.record()
             self._device_reports.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
 
-    def _layer_writer(self, forward_context: Any, mapping: torch.Tensor | None,
-                      deltas: torch.Tensor | None, rerope: bool = False) -> "_LayerWriter":
+    def _layer_writer(self, forward_context: Any, rerope: bool) -> "_LayerWriter":
         layers: dict[int, list] = {}
         for name, kv_cache in self.kv_caches.items():
             layers.setdefault(self.layer_of[name], []).append(
                 (compat.attention_layer(forward_context, name), kv_cache))
-        return _LayerWriter(layers, self.geometry, self.rope, mapping, deltas, rerope or deltas is not None)
+        return _LayerWriter(layers, self.geometry, self.rope, rerope)
 
     def capture_kv(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -797,16 +800,17 @@ class SekvWorkerSide:
 class _LayerWriter:
     """Writes restored K/V of one layer (or a batch of whole slots, every
     layer) into the paged caches with the platform's cache-update op, keys
-    re-RoPE'd by the tokens' deltas first when the restore moves them."""
+    re-RoPE'd by the tokens' deltas first when the restore moves them. A
+    layerwise restore's writer gets its destinations (`route`) after the
+    first copies are enqueued, before the forward asks for a layer."""
 
-    def __init__(self, layers: dict[int, list], geometry: Any, rope: Any,
-                 mapping: torch.Tensor | None, deltas: torch.Tensor | None, rerope: bool) -> None:
+    def __init__(self, layers: dict[int, list], geometry: Any, rope: Any, rerope: bool) -> None:
         self.layers = layers
         self.geometry = geometry
         self.rope = rope
-        self.mapping = mapping
-        self.deltas = deltas
         self.rerope = rerope
+        self.mapping: torch.Tensor | None = None
+        self.deltas: torch.Tensor | None = None
 
     def _write(self, idx: int, key: torch.Tensor, value: torch.Tensor,
                mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
@@ -815,8 +819,15 @@ class _LayerWriter:
         for layer, kv_cache in self.layers.get(idx, ()):
             layer.impl.write_kv(layer, key, value, kv_cache, mapping)
 
+    def route(self, mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        """Where a layerwise restore's tokens go (paged slot, -1: skipped) and
+        their RoPE deltas (None: keys not moved)."""
+        self.mapping, self.deltas = mapping, deltas
+
     def __call__(self, idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """One layer of a layerwise restore: `[tokens, kv_heads, head_dim]`."""
+        if self.mapping is None:
+            raise RuntimeError("a layerwise restore wrote a layer before its writer was routed")
         self._write(idx, key, value, self.mapping, self.deltas)
 
     def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor) -> None:
