@@ -36,3 +36,25 @@ def test_a_gpu_index_scores_like_the_host_index(kind):
         got = gpu.score(layer, queries.cuda(), candidates)
         assert got.is_cuda
         torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["sub4_pre", "mean_pre"])
+def test_indexing_and_scoring_on_the_gpu_never_synchronize(kind):
+    """Blocks committed during decode are indexed inside a step, and probes
+    score inside the forward: neither may make the host wait for the GPU
+    (PyTorch raises on any synchronizing call in this mode)."""
+    rope = RopeSpec(inv_freq=1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D), rotary_dim=D)
+    pool = HostPool(SLOTS, L, T, H, D, torch.bfloat16, pin_memory=True)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
+    index = BlockIndex(SLOTS, L, H, D, rope, kind=kind, device="cuda")
+    index.add_many(pool, [1, 2], [0, T])  # first use: kernels compiled, tables cached
+    queries = torch.randn(9, HQ, D, device="cuda")
+    candidates = torch.tensor([1, 2, 5, 6], device="cuda")
+    index.score(0, queries, candidates)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        index.add_many(pool, [5, 6, 7], [2 * T, 3 * T, 4 * T])
+        index.score(1, queries, candidates)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

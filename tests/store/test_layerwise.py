@@ -22,7 +22,7 @@ def _pool(device: str, dtype=torch.bfloat16) -> torch.Tensor:
     return pool.pin_memory() if device == "cuda" else pool
 
 
-def _run(pool, device, order, depth, stream=None):
+def _run(pool, device, order, depth, stream=None, write_after_start=False):
     written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(layer, key, value):
@@ -30,8 +30,11 @@ def _run(pool, device, order, depth, stream=None):
         assert key.is_contiguous() and key.shape == (len(HOST_SLOTS) * BT, HEADS, DIM)
         written[layer] = (key.clone(), value.clone())  # clone on the compute stream, in order
 
-    job = LayerwiseRestore(pool, HOST_SLOTS, write, device, depth=depth, copy_stream=stream)
+    job = LayerwiseRestore(pool, HOST_SLOTS, None if write_after_start else write, device, depth=depth,
+                           copy_stream=stream)
     job.start()
+    if write_after_start:  # a head start: copies enqueued before the step's destinations are known
+        job.write = write
     for layer in order:
         job.load(layer)
     job.finish()
@@ -67,6 +70,21 @@ ORDERS = {
 def test_cpu_every_layer_written_once_with_the_pools_bytes(order, depth):
     pool = _pool("cpu")
     _check(pool, _run(pool, "cpu", ORDERS[order], depth))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or not cudart.available(), reason="needs CUDA and libcudart"))])
+def test_the_writer_may_come_after_the_first_copies(device):
+    pool = _pool(device)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    _check(pool, _run(pool, device, ORDERS["shuffled"], 2, stream, write_after_start=True))
+
+
+def test_a_layer_loaded_before_the_writer_is_given_raises():
+    job = LayerwiseRestore(_pool("cpu"), HOST_SLOTS, None, "cpu")
+    job.start()
+    with pytest.raises(RuntimeError, match="before it was given its `write`"):
+        job.load(0)
 
 
 def test_slot_runs_match_coalesce_runs():

@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
+from vllm_sekv.connector import head_start
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector.views import ViewCoordinator
 from vllm_sekv.store import HostPool, Tier, make_policy
@@ -59,6 +60,7 @@ class SekvSchedulerSide:
         self.nvme: NvmeLayout | None = None
         self._lock: DirLock | None = None
         self._fingerprint = compat.model_fingerprint(vllm_config, config.block_tokens)
+        self._engine_id = head_start.engine_id(vllm_config)
         num_records, found = 0, []
         if config.nvme_dir:
             num_records, found = self._open_nvme(config, vllm_config, world_size)
@@ -168,6 +170,7 @@ class SekvSchedulerSide:
         }
         plan = self.planner.plan_step(scheduled, self._tokens_of)
         plan.batch_tokens = scheduler_output.total_num_scheduled_tokens
+        head_start.offer(self._engine_id, plan)  # a worker in this process starts its restore now
         return SekvMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:

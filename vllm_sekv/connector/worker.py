@@ -64,6 +64,7 @@ from vllm_sekv import compat
 from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.connector.coarse import CoarseAttention, StepRows
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
+from vllm_sekv.connector import head_start
 from vllm_sekv.connector.device_reports import CaptureCheck, RestoreTiming
 from vllm_sekv.connector.probes import ProbeScorer
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
@@ -134,6 +135,9 @@ class SekvWorkerSide:
         self._unsettled: list[RestoreTiming | CaptureCheck] = []
         self._layerwise: LayerwiseRestore | None = None  # CUDA: this step's layer-by-layer restore
         self._layerwise_shares: list[tuple[str, float]] = []  # (req_id, share of its blocks)
+        # A layerwise restore begun when its step was planned (`head_start`):
+        # (step id, the stream its buffers were allocated on, the job).
+        self._head_start: tuple[int, Any, LayerwiseRestore] | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_of: dict[str, int] = {}
         self.stats = SekvStats()
@@ -228,6 +232,8 @@ class SekvWorkerSide:
             if self.config.restore_mode == "layerwise" and not cudart.available():
                 raise ValueError("sekv config 'restore_mode': layerwise needs the CUDA runtime library "
                                  "(libcudart) that torch loads, and none was found; use auto or batched")
+            if cudart.available():
+                head_start.register(head_start.engine_id(self.vllm_config), self)
         if self.config.router_path:
             if geo.world_size > 1:
                 raise ValueError("sekv config 'router_path': the zoom router needs every query head "
@@ -352,7 +358,7 @@ class SekvWorkerSide:
         unhooked = not self._forward_begun and compat.full_graph_replay(forward_context)
         exact = [op for op in plan.restores if not op.lowrank]
         if self.pipeline is not None and exact:
-            self._restore_cuda(forward_context, exact)
+            self._restore_cuda(forward_context, plan.step_id, exact)
             if unhooked and self._layerwise is not None:
                 self._layerwise.finish()  # no layer will ask for its KV: all of it before the forward
         row_bytes = self.pool.block_bytes // self.config.block_tokens
@@ -495,26 +501,81 @@ class SekvWorkerSide:
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
 
-    def _restore_cuda(self, forward_context: Any, ops: list) -> None:
-        """Enqueue a step's restores from the pinned pool, keys re-RoPE'd on the
-        device, written by the platform's own cache-update op. Layerwise
-        (`LayerwiseRestore`: layer l is written when the forward reaches layer
-        l) or batched (`RestorePipeline`: whole slots, every layer written
-        before the forward), per `restore_mode`. Timed with CUDA events, read
-        with the step's report (`RestoreTiming`)."""
-        self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
+    def head_start(self, plan: StepPlan) -> None:
+        """Enqueue the first layers' copies of step `plan`'s layerwise restore
+        now, as the scheduler side (in this process) hands over the plan it
+        just built (`connector.head_start`): they then run under the rest of
+        vLLM's scheduling and input preparation. `start_load_kv` of that step
+        adopts the job; one of another step is dropped there. Allocation
+        failure only skips the head start."""
+        ops = [op for op in plan.restores if not op.lowrank] if self.pipeline is not None else []
+        if not ops:
+            return
+        host_slots, _, layerwise = self._restore_layout(ops)
+        if not layerwise:
+            return
+        self._drop_head_start()
+        stream = torch.cuda.current_stream(self.pipeline.device)
+        try:
+            self._head_start = (plan.step_id, stream, self._start_layerwise(host_slots))
+        except torch.cuda.OutOfMemoryError:
+            logger.debug("sekv: no device memory for a restore's head start; it starts with the step")
+
+    def _drop_head_start(self) -> None:
+        """Let go of a head start no step adopted: the stream its buffers
+        belong to waits for its copies before the allocator hands them out
+        again."""
+        if self._head_start is not None:
+            _, stream, _ = self._head_start
+            stream.wait_stream(self.pipeline.copy_stream)
+            self._head_start = None
+
+    def _adopt_head_start(self, step_id: int, host_slots: np.ndarray) -> LayerwiseRestore | None:
+        """The head start of step `step_id`, if it copies exactly `host_slots`
+        for the current stream; any other is dropped."""
+        step, stream, job = self._head_start or (None, None, None)
+        if job is not None and step == step_id and stream == torch.cuda.current_stream(self.pipeline.device) \
+                and np.array_equal(job.host_slots, host_slots):
+            self._head_start = None
+            return job
+        self._drop_head_start()
+        return None
+
+    def _restore_layout(self, ops: list) -> tuple[np.ndarray, list[np.ndarray], bool]:
+        """(the host slots of `ops`' runs, in order; those of each op; whether
+        they restore layer by layer, per `restore_mode`)."""
         bt = self.config.block_tokens
         op_slots = [slot_runs_of_rows(op.host_rows // bt)[1] for op in ops]
         host_slots = np.concatenate(op_slots)
-        rerope = any(op.rope_deltas is not None for op in ops)
         mode = self.config.restore_mode
         if mode == "auto":
             mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
-        if mode == "layerwise" and cudart.available():  # auto without libcudart: batched
-            writer = self._layer_writer(forward_context, rerope)
-            job = LayerwiseRestore(self.pool.data, host_slots, writer, self.pipeline.device,
-                                   copy_stream=self.pipeline.copy_stream)
-            job.start()  # the first layers move while their destinations are worked out
+        return host_slots, op_slots, mode == "layerwise" and cudart.available()  # auto without libcudart: batched
+
+    def _start_layerwise(self, host_slots: np.ndarray) -> LayerwiseRestore:
+        """A layerwise restore of `host_slots` with its first copies enqueued
+        (behind the captures already written); its `write` comes later."""
+        self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
+        job = LayerwiseRestore(self.pool.data, host_slots, None, self.pipeline.device,
+                               copy_stream=self.pipeline.copy_stream)
+        job.start()
+        return job
+
+    def _restore_cuda(self, forward_context: Any, step_id: int, ops: list) -> None:
+        """Enqueue a step's restores from the pinned pool, keys re-RoPE'd on the
+        device, written by the platform's own cache-update op. Layerwise
+        (`LayerwiseRestore`: layer l is written when the forward reaches layer
+        l; its first copies may have started when the step was planned,
+        `head_start`) or batched (`RestorePipeline`: whole slots, every layer
+        written before the forward), per `restore_mode`. Timed with CUDA
+        events, read with the step's report (`RestoreTiming`)."""
+        bt = self.config.block_tokens
+        host_slots, op_slots, layerwise = self._restore_layout(ops)
+        rerope = any(op.rope_deltas is not None for op in ops)
+        if layerwise:
+            job = self._adopt_head_start(step_id, host_slots) or self._start_layerwise(host_slots)
+            writer = job.write = self._layer_writer(forward_context, rerope)
+            # the first layers move while their destinations are worked out
             layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
             mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.pipeline.device)
             deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.pipeline.device) if rerope else None
@@ -522,6 +583,7 @@ class SekvWorkerSide:
             self._layerwise = job
             self._layerwise_shares = [(op.req_id, len(slots) / len(host_slots)) for op, slots in zip(ops, op_slots)]
             return
+        self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
         layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
         for op, (slots, mapping, deltas) in zip(ops, layouts):
             writer = self._layer_writer(forward_context, op.rope_deltas is not None)
@@ -789,6 +851,7 @@ class SekvWorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        head_start.unregister(head_start.engine_id(self.vllm_config), self)
         self._count_device_reports(wait=True)
         if self.capture_writer is not None:
             self.capture_writer.settle()

@@ -15,7 +15,8 @@ compute stream wait for that layer's copy event, hands the layer's K and V
 enqueues the copy of layer `layer + depth` into the freed buffer (the copy
 stream waits for the write's event). Nothing blocks the calling thread.
 
-Contract: `start()` once, `load(l)` from the forward thread before layer `l`'s
+Contract: `start()` once (`write` may be given after it, as the attribute,
+before the first `load`), `load(l)` from the forward thread before layer `l`'s
 attention reads the cache (any order; loading `l` loads every earlier layer
 whose buffer it needs), `finish()` after the forward (writes any layer the
 forward did not ask for, so the cache never keeps stale KV). `write` is called
@@ -56,7 +57,7 @@ class LayerwiseRestore:
     """One step's restore of `pool[host_slots]` (pool `[slots, 2, layers,
     block_tokens, kv_heads, head_dim]`, pinned on CUDA), layer by layer."""
 
-    def __init__(self, pool: torch.Tensor, host_slots: np.ndarray, write: LayerWrite,
+    def __init__(self, pool: torch.Tensor, host_slots: np.ndarray, write: LayerWrite | None,
                  device: torch.device | str, depth: int = 4,
                  copy_stream: "torch.cuda.Stream | None" = None) -> None:
         if pool.dim() != 6 or pool.shape[1] != 2:
@@ -70,6 +71,7 @@ class LayerwiseRestore:
         self.device = torch.device(device)
         self.num_layers = pool.shape[2]
         self.num_blocks = len(host_slots)
+        self.host_slots = np.asarray(host_slots)
         self.runs = slot_runs(host_slots)
         self._cuda = self.device.type == "cuda"
         if self._cuda and (copy_stream is None or not cudart.is_page_locked(pool)):
@@ -127,6 +129,8 @@ class LayerwiseRestore:
             compute.wait_event(self._copied[layer])
         key = buf[0].view(self._tokens, *buf.shape[3:])
         value = buf[1].view(self._tokens, *buf.shape[3:])
+        if self.write is None:
+            raise RuntimeError("a layerwise restore loaded a layer before it was given its `write`")
         self.write(layer, key, value)
         self._written[layer] = True
         while self._next_write < self.num_layers and self._written[self._next_write]:

@@ -95,7 +95,7 @@ class BlockIndex:
             s = summary.shape[1]  # [n, S, L*H, D] -> [n, L, S, H, D]
             entries = summary.reshape(n, s, num_layers, kv_heads, head_dim).transpose(1, 2)
             self.entries[idx] = entries.to(self.entries.dtype)
-            self.valid[idx] = True
+            self.valid.index_fill_(0, idx, True)  # `valid[idx] = True` copies the scalar: a synchronization
 
     def drop(self, slot: int) -> None:
         self.valid[slot] = False
