@@ -128,6 +128,11 @@ def engine_main(spec: dict) -> None:
               max_model_len=max(spec["lengths"]) + NEW_TOKENS + 8, gpu_memory_utilization=0.85,
               enable_prefix_caching=True, seed=0, **kwargs)
     print(f"[{spec['engine']}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+    audit = None
+    if spec.get("sync_audit"):
+        import sync_audit as audit
+
+        audit.install()  # after start-up: its synchronizations are not a step's
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def generate(ids):
@@ -152,8 +157,10 @@ def engine_main(spec: dict) -> None:
                 llm.reset_prefix_cache()
             time.sleep(0.5)  # let asynchronous offload/write-behind work settle
             before = host_timers.snapshot() if spec.get("timers") else None
+            syncs_before = audit.snapshot() if audit else None
             submitted = time.perf_counter()
             seconds, out = generate(step)
+            syncs = audit.diff(syncs_before, audit.snapshot()) if audit else None
             if before is not None:
                 timers = host_timers.diff(before, host_timers.snapshot())
                 loads = host_timers.first_end_after("connector.pre_forward", submitted)
@@ -170,6 +177,8 @@ def engine_main(spec: dict) -> None:
                      "ttft_all_s": times, "num_cached_tokens": cached, "kv_transfer_params": params_seen})
         if spec.get("timers") and spec["phase"] != "capture":
             rows[-1]["timers"] = timers  # of the last repeat
+        if audit and spec["phase"] != "capture":
+            rows[-1]["syncs"] = syncs  # of the last repeat
         print(f"[{spec['engine']}] {length}: TTFT {statistics.median(times):.3f} s (all {times}), "
               f"cached {cached}, {params_seen}", flush=True)
     if spec["phase"] == "capture":
@@ -199,7 +208,8 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
     path = workdir / f"{spec['engine']}-{spec['phase']}.json"
     spec = {**spec, "out": str(path.with_suffix(".rows.json"))}
     path.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if spec.get("timers") else None
+    in_process = spec.get("timers") or spec.get("sync_audit")  # where they can watch the engine
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else None
     proc = subprocess.run([sys.executable, __file__, "--engine-spec", str(path)], timeout=spec["timeout_s"], env=env)
     if proc.returncode != 0:
         print(f"engine {spec['engine']} ({spec['phase']}) failed with {proc.returncode}", flush=True)
@@ -275,6 +285,13 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
             cells = [f"{r['timers'][label]['ms']:.2f} ({r['timers'][label]['calls']:.0f})" if label in r["timers"]
                      else "—" for r in timed]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if "syncs" in r:
+            import sync_audit
+
+            lines += ["", *sync_audit.table(r["syncs"], f"Synchronizations in the last follow-up, {r['engine']} at "
+                                            f"{r['history_tokens'] // 1024}K (`--sync-audit`; by the innermost "
+                                            "sekv frame, else vLLM frame):")]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"h2d_bytes_per_s": bandwidth, "pitched_bytes_per_s": pitched,
                                                     "rows": rows, "commands": commands}, indent=1))
@@ -294,6 +311,8 @@ def main() -> None:
     ap.add_argument("--timers", action="store_true",
                     help="engines in this process (no engine-core process), with the host time of the last "
                          "follow-up inside vLLM's and sekv's methods (host_timers.py)")
+    ap.add_argument("--sync-audit", action="store_true",
+                    help="count the synchronizing CUDA operations of the last follow-up, by place (sync_audit.py)")
     ap.add_argument("--out", default="benchmarks/results/gpu/restore_e2e")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="only write the report from these runs' JSON outputs (e.g. engines run apart)")
@@ -317,7 +336,7 @@ def main() -> None:
     print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s, pitched layer copies: {pitched / 1e9:.1f} GB/s", flush=True)
     base = {"model_dir": str(model_dir), "lengths": args.lengths, "repeats": args.repeats,
             "native_cpu_gib": args.native_cpu_gib, "timeout_s": args.timeout_s, "phase": "all",
-            "timers": args.timers}
+            "timers": args.timers, "sync_audit": args.sync_audit}
     rows: list[dict] = []
     for engine in args.engines:
         if engine == "sekv-disk":

@@ -25,8 +25,11 @@ case $step in
   lease2)  # after the head start (restore copies enqueued when the step is planned)
     nvidia-smi > $OUT/nvidia_smi.txt 2>&1
     run cuda_unit 150 pytest -q -rs -p no:cacheprovider tests/connector/test_device_reports.py tests/connector/test_full_graph_steps.py tests/connector/test_head_start.py tests/store/test_capture.py tests/store/test_host_pool.py tests/store/test_layerwise.py tests/triton_kernels/test_gather.py tests/triton_kernels/test_rotate.py tests/gpu/test_cuda_index.py
-    run graphs_test 300 pytest -q -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py -k cuda_graphs
-    run restore 330 python3 benchmarks/gpu/restore_e2e.py --engines sekv-host native plain --lengths 65536 130944 --repeats 3 --timers --out $OUT/restore ;;
+    run graphs_test 300 pytest -q -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py -k cuda_graphs ;;
+  restore2)
+    run restore 500 python3 benchmarks/gpu/restore_e2e.py --engines sekv-host native plain --lengths 65536 130944 --repeats 3 --timers --sync-audit --out $OUT/restore ;;
+  views2)
+    run views_graphs 500 $VIEWS --engines sekv plain --sizes 131072 --view-tokens 65536 --steps 2 --decode-tokens 128 --cuda-graphs --sync-audit --timeout-s 280 --out $OUT/views_graphs ;;
   graphs_test)
     run graphs_test 420 pytest -q -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py -k cuda_graphs ;;
   views_again)
