@@ -13,8 +13,10 @@ Runs in each worker process, on the forward thread, in this order per step:
                    positions where the plan says so. On CPU blocking, before
                    the forward. On CUDA enqueued on a copy stream: either
                    layer by layer (`LayerwiseRestore`: only the first layers'
-                   copies are enqueued here) or batched (`RestorePipeline`:
-                   every layer written before the forward), per `restore_mode`;
+                   copies are enqueued here, or already when the scheduler
+                   side planned the step, if it runs in this process:
+                   `head_start`) or batched (`RestorePipeline`: every layer
+                   written before the forward), per `restore_mode`;
   `wait_for_layer_load` (vLLM, and the attention hook as a safety net) before
                    each layer's attention: a layerwise restore writes that
                    layer and enqueues the copy of a later one; never blocks;
