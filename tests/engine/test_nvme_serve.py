@@ -1,7 +1,6 @@
 """The NVMe tier through real `vllm serve` processes: restart, faults, a second
 server, hostile session ids. Every answer is compared with a plain server's."""
 import json
-import urllib.request
 from pathlib import Path
 
 import pytest

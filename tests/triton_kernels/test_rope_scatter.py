@@ -1,7 +1,6 @@
 """Scatter + re-RoPE: the reference against a per-token loop (CPU), re-RoPE
 exactness against vLLM's own rotary embeddings per rope type (CPU, needs vLLM),
 and the Triton kernel against the reference (GPU)."""
-import math
 
 import pytest
 import torch

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from test_planner import BT, PAGED, Engine, prefill_and_finish
-from vllm_sekv.workspace.views import PassKind, ViewBudget, ViewPass, final_pass, first_pass
+from vllm_sekv.workspace.views import PassKind, ViewBudget, final_pass, first_pass
 
 BUDGET = ViewBudget(block_tokens=8, view_tokens=96, sink_tokens=8, recent_tokens=16)  # 12 blocks
 

@@ -11,12 +11,12 @@ Runs in each worker process, on the forward thread, in this order per step:
   `start_load_kv`  restore planned rows through the
                    platform's own cache-update op, keys re-RoPE'd to the view's
                    positions where the plan says so. On CPU blocking, before
-                   the forward. On CUDA enqueued on a copy stream: either
-                   layer by layer (`LayerwiseRestore`: only the first layers'
-                   copies are enqueued here, or already when the scheduler
-                   side planned the step, if it runs in this process:
-                   `head_start`) or batched (`RestorePipeline`: every layer
-                   written before the forward), per `restore_mode`;
+                   the forward. On CUDA enqueued on a copy stream
+                   (`DeviceRestores`): either layer by layer (only the first
+                   layers' copies are enqueued here, or already when the
+                   scheduler side planned the step, if it runs in this
+                   process: `head_start`) or batched (every layer written
+                   before the forward), per `restore_mode`;
   `wait_for_layer_load` (vLLM, and the attention hook as a safety net) before
                    each layer's attention: a layerwise restore writes that
                    layer and enqueues the copy of a later one; never blocks;
@@ -69,6 +69,7 @@ from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
 from vllm_sekv.connector import head_start
 from vllm_sekv.connector.device_reports import CaptureCheck, RestoreTiming
 from vllm_sekv.connector.probes import ProbeScorer
+from vllm_sekv.connector.restores import DeviceRestores
 from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.connector.surprisal import SurprisalRecorder
@@ -77,46 +78,17 @@ from vllm_sekv.store import HostPool, cudart
 from vllm_sekv.store.capture import CaptureWriter, StepCapture
 from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.codecs import LowRankCodec, parse_codec
-from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
 from vllm_sekv.store.lowrank_tier import LowRankTier
 from vllm_sekv.store.nvme import RecordIO
-from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.block_index import BlockIndex
-from vllm_sekv.workspace.plan import RestoreOp, StepPlan, slot_runs_of_rows
+from vllm_sekv.workspace.plan import RestoreOp, StepPlan
 from vllm_sekv.workspace.router import FULL_RANK, load_router
 
 logger = logging.getLogger("vllm_sekv")
 
-# `restore_mode` "auto" goes layerwise when the restored host slots come in
-# runs at least this long on average: each pitched copy then moves >= 8 slots'
-# layer (>= 256 KiB with 16-token blocks), close to one large copy's speed.
-LAYERWISE_MIN_RUN_BLOCKS = 8
 # With a zoom router the index holds what it was trained on: surprisal-weighted
 # mean pre-RoPE keys (here one per block; calibration used surprisal segments).
 ROUTER_SUMMARY = "wmean_pre"
-
-
-def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
-                block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A restore op as whole host slots: (the slot of each run of the op's
-    rows that stay in one slot, in the op's order; the paged slot of each of
-    their tokens, -1 for tokens the op does not restore, which the
-    cache-update op skips; the RoPE delta of each token), from the op's runs
-    of rows in one slot (`slot_runs_of_rows`)."""
-    bt = block_tokens
-    slot_of_row = host_rows // bt
-    starts, slots = slot_runs_of_rows(slot_of_row)
-    run_of_row = np.zeros(len(host_rows), dtype=np.int64)
-    run_of_row[starts[1:]] = 1
-    np.cumsum(run_of_row, out=run_of_row)
-    run_of_row *= bt
-    where = run_of_row + host_rows % bt
-    mapping = np.full(len(slots) * bt, -1, dtype=np.int64)
-    mapping[where] = paged_slots
-    deltas = np.zeros(len(slots) * bt, dtype=np.int64)
-    if rope_deltas is not None:
-        deltas[where] = rope_deltas
-    return slots, mapping, deltas
 
 
 class SekvWorkerSide:
@@ -129,17 +101,12 @@ class SekvWorkerSide:
         self.pool: HostPool | None = None
         self.records: RecordIO | None = None
         self.index: BlockIndex | None = None
-        self.pipeline: RestorePipeline | None = None  # CUDA: batched, overlapped host->device restores
+        self.restores: DeviceRestores | None = None  # CUDA: copy-stream restores from the pinned pool
         # This step's facts still on the device (CUDA restore timings, paged
         # capture checks): its report carries them unread (`device_reports`);
         # `_unsettled` keeps them until they are in, for stats and warnings.
         self._device_reports: list[RestoreTiming | CaptureCheck] = []
         self._unsettled: list[RestoreTiming | CaptureCheck] = []
-        self._layerwise: LayerwiseRestore | None = None  # CUDA: this step's layer-by-layer restore
-        self._layerwise_shares: list[tuple[str, float]] = []  # (req_id, share of its blocks)
-        # A layerwise restore begun when its step was planned (`head_start`):
-        # (step id, the stream its buffers were allocated on, the job).
-        self._head_start: tuple[int, Any, LayerwiseRestore] | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_of: dict[str, int] = {}
         self.stats = SekvStats()
@@ -230,10 +197,12 @@ class SekvWorkerSide:
         self.capture_writer = CaptureWriter(self.pool, device)
         self._cache_views = self._paged_views(kv_caches)
         if device.type == "cuda":
-            self.pipeline = RestorePipeline(tuple(self.pool.data.shape[1:]), geo.dtype, device)
             if self.config.restore_mode == "layerwise" and not cudart.available():
                 raise ValueError("sekv config 'restore_mode': layerwise needs the CUDA runtime library "
                                  "(libcudart) that torch loads, and none was found; use auto or batched")
+            self.restores = DeviceRestores(self.pool, self.capture_writer, kv_caches, self.layer_of, geo, self.rope,
+                                           self.config.block_tokens, self.config.restore_mode, device,
+                                           layerwise_copies=cudart.available())
             if cudart.available():
                 head_start.register(head_start.engine_id(self.vllm_config), self)
         if self.config.router_path:
@@ -330,7 +299,7 @@ class SekvWorkerSide:
         the captures on the device: under asynchronous scheduling such a step
         never waits for the one before it."""
         device_index = self.index is not None and self.index.device.type == "cuda"
-        host_restores = self.pipeline is None or any(op.lowrank for op in plan.restores)
+        host_restores = self.restores is None or any(op.lowrank for op in plan.restores)
         return bool((plan.restores and host_restores) or plan.coarse or plan.nvme_reads or plan.nvme_writes
                     or (not device_index and (plan.index_blocks or self._index_pending or plan.scores)))
 
@@ -359,13 +328,13 @@ class SekvWorkerSide:
             return
         unhooked = not self._forward_begun and compat.full_graph_replay(forward_context)
         exact = [op for op in plan.restores if not op.lowrank]
-        if self.pipeline is not None and exact:
-            self._restore_cuda(forward_context, plan.step_id, exact)
-            if unhooked and self._layerwise is not None:
-                self._layerwise.finish()  # no layer will ask for its KV: all of it before the forward
+        if self.restores is not None and exact:
+            self._device_reports += self.restores.start(forward_context, plan.step_id, exact)
+            if unhooked:
+                self._end_layerwise()  # no layer will ask for its KV: all of it before the forward
         row_bytes = self.pool.block_bytes // self.config.block_tokens
         for op in plan.restores:
-            if self.pipeline is None or op.lowrank:
+            if self.restores is None or op.lowrank:
                 t0 = time.perf_counter()
                 if op.lowrank:
                     moved = self._restore_lowrank(forward_context, op)
@@ -383,7 +352,7 @@ class SekvWorkerSide:
                 self.stats.add("views", 1)
         if self.coarse is not None:
             self._begin_coarse(plan)
-        if self._layerwise is not None:
+        if self.restores is not None and self.restores.layerwise:
             self.attention_hooks = True  # its safety net: `wait_for_layer_load` before each attention
         if unhooked:
             self._begin_unhooked_forward(forward_context)
@@ -482,9 +451,16 @@ class SekvWorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before a layer's attention: its restored KV is in the paged cache
         (on the compute stream). A no-op unless a layerwise restore runs."""
-        job = self._layerwise
-        if job is not None and layer_name in self.layer_of:
-            job.load(self.layer_of[layer_name])
+        if self.restores is not None:
+            self.restores.load(layer_name)
+
+    def _end_layerwise(self) -> None:
+        """Write every layer of this step's layerwise restore the forward did
+        not ask for (the cache never keeps stale KV); its timing goes in the
+        step's report."""
+        timing = self.restores.finish() if self.restores is not None else None
+        if timing is not None:
+            self._device_reports.append(timing)
 
     def _restore(
         self,
@@ -504,104 +480,11 @@ class SekvWorkerSide:
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
 
     def head_start(self, plan: StepPlan) -> None:
-        """Enqueue the first layers' copies of step `plan`'s layerwise restore
-        now, as the scheduler side (in this process) hands over the plan it
-        just built (`connector.head_start`): they then run under the rest of
-        vLLM's scheduling and input preparation. `start_load_kv` of that step
-        adopts the job; one of another step is dropped there. Allocation
-        failure only skips the head start."""
-        ops = [op for op in plan.restores if not op.lowrank] if self.pipeline is not None else []
-        if not ops:
-            return
-        host_slots, _, layerwise = self._restore_layout(ops)
-        if not layerwise:
-            return
-        self._drop_head_start()
-        stream = torch.cuda.current_stream(self.pipeline.device)
-        try:
-            self._head_start = (plan.step_id, stream, self._start_layerwise(host_slots))
-        except torch.cuda.OutOfMemoryError:
-            logger.debug("sekv: no device memory for a restore's head start; it starts with the step")
-
-    def _drop_head_start(self) -> None:
-        """Let go of a head start no step adopted: the stream its buffers
-        belong to waits for its copies before the allocator hands them out
-        again."""
-        if self._head_start is not None:
-            _, stream, _ = self._head_start
-            stream.wait_stream(self.pipeline.copy_stream)
-            self._head_start = None
-
-    def _adopt_head_start(self, step_id: int, host_slots: np.ndarray) -> LayerwiseRestore | None:
-        """The head start of step `step_id`, if it copies exactly `host_slots`
-        for the current stream; any other is dropped."""
-        step, stream, job = self._head_start or (None, None, None)
-        if job is not None and step == step_id and stream == torch.cuda.current_stream(self.pipeline.device) \
-                and np.array_equal(job.host_slots, host_slots):
-            self._head_start = None
-            return job
-        self._drop_head_start()
-        return None
-
-    def _restore_layout(self, ops: list) -> tuple[np.ndarray, list[np.ndarray], bool]:
-        """(the host slots of `ops`' runs, in order; those of each op; whether
-        they restore layer by layer, per `restore_mode`)."""
-        bt = self.config.block_tokens
-        op_slots = [slot_runs_of_rows(op.host_rows // bt)[1] for op in ops]
-        host_slots = np.concatenate(op_slots)
-        mode = self.config.restore_mode
-        if mode == "auto":
-            mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
-        return host_slots, op_slots, mode == "layerwise" and cudart.available()  # auto without libcudart: batched
-
-    def _start_layerwise(self, host_slots: np.ndarray) -> LayerwiseRestore:
-        """A layerwise restore of `host_slots` with its first copies enqueued
-        (behind the captures already written); its `write` comes later."""
-        self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
-        job = LayerwiseRestore(self.pool.data, host_slots, None, self.pipeline.device,
-                               copy_stream=self.pipeline.copy_stream)
-        job.start()
-        return job
-
-    def _restore_cuda(self, forward_context: Any, step_id: int, ops: list) -> None:
-        """Enqueue a step's restores from the pinned pool, keys re-RoPE'd on the
-        device, written by the platform's own cache-update op. Layerwise
-        (`LayerwiseRestore`: layer l is written when the forward reaches layer
-        l; its first copies may have started when the step was planned,
-        `head_start`) or batched (`RestorePipeline`: whole slots, every layer
-        written before the forward), per `restore_mode`. Timed with CUDA
-        events, read with the step's report (`RestoreTiming`)."""
-        bt = self.config.block_tokens
-        host_slots, op_slots, layerwise = self._restore_layout(ops)
-        rerope = any(op.rope_deltas is not None for op in ops)
-        if layerwise:
-            job = self._adopt_head_start(step_id, host_slots) or self._start_layerwise(host_slots)
-            writer = job.write = self._layer_writer(forward_context, rerope)
-            # the first layers move while their destinations are worked out
-            layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
-            mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.pipeline.device)
-            deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.pipeline.device) if rerope else None
-            writer.route(mapping, deltas)
-            self._layerwise = job
-            self._layerwise_shares = [(op.req_id, len(slots) / len(host_slots)) for op, slots in zip(ops, op_slots)]
-            return
-        self.capture_writer.order(torch.cuda.current_stream(self.pipeline.device))  # copy streams wait for it
-        layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
-        for op, (slots, mapping, deltas) in zip(ops, layouts):
-            writer = self._layer_writer(forward_context, op.rope_deltas is not None)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.pipeline.device),
-                                  to_device(deltas, self.pipeline.device), self.rope, write=writer.batch)
-            end.record()
-            self._device_reports.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
-
-    def _layer_writer(self, forward_context: Any, rerope: bool) -> "_LayerWriter":
-        layers: dict[int, list] = {}
-        for name, kv_cache in self.kv_caches.items():
-            layers.setdefault(self.layer_of[name], []).append(
-                (compat.attention_layer(forward_context, name), kv_cache))
-        return _LayerWriter(layers, self.geometry, self.rope, rerope)
+        """The scheduler side (in this process) hands over the plan it just
+        built (`connector.head_start`): a layerwise restore in it enqueues its
+        first copies now (`DeviceRestores.head_start`)."""
+        if self.restores is not None:
+            self.restores.head_start(plan.step_id, [op for op in plan.restores if not op.lowrank])
 
     def capture_kv(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -783,12 +666,7 @@ class SekvWorkerSide:
         if plan is None:
             return None
         self._flush_captures()  # before the step is confirmed: its blocks may then be committed
-        job, self._layerwise = self._layerwise, None
-        if job is not None:
-            job.finish()  # layers the forward did not reach: the cache never keeps stale KV
-            events = job.transfer_events()
-            if events is not None:
-                self._device_reports.append(RestoreTiming(*events, self._layerwise_shares))
+        self._end_layerwise()
         self._count_device_reports()
         reports, self._device_reports = self._device_reports, []
         self._unsettled += reports
@@ -860,45 +738,3 @@ class SekvWorkerSide:
         if self.records is not None:
             self.records.drain(wait=True)
             self.records.close()
-
-
-class _LayerWriter:
-    """Writes restored K/V of one layer (or a batch of whole slots, every
-    layer) into the paged caches with the platform's cache-update op, keys
-    re-RoPE'd by the tokens' deltas first when the restore moves them. A
-    layerwise restore's writer gets its destinations (`route`) after the
-    first copies are enqueued, before the forward asks for a layer."""
-
-    def __init__(self, layers: dict[int, list], geometry: Any, rope: Any, rerope: bool) -> None:
-        self.layers = layers
-        self.geometry = geometry
-        self.rope = rope
-        self.rerope = rerope
-        self.mapping: torch.Tensor | None = None
-        self.deltas: torch.Tensor | None = None
-
-    def _write(self, idx: int, key: torch.Tensor, value: torch.Tensor,
-               mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
-        if self.rerope:
-            key = rotate_keys(key, deltas, self.rope)
-        for layer, kv_cache in self.layers.get(idx, ()):
-            layer.impl.write_kv(layer, key, value, kv_cache, mapping)
-
-    def route(self, mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
-        """Where a layerwise restore's tokens go (paged slot, -1: skipped) and
-        their RoPE deltas (None: keys not moved)."""
-        self.mapping, self.deltas = mapping, deltas
-
-    def __call__(self, idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """One layer of a layerwise restore: `[tokens, kv_heads, head_dim]`."""
-        if self.mapping is None:
-            raise RuntimeError("a layerwise restore wrote a layer before its writer was routed")
-        self._write(idx, key, value, self.mapping, self.deltas)
-
-    def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor) -> None:
-        """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`."""
-        geo = self.geometry
-        for idx in self.layers:
-            key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
-            value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
-            self._write(idx, key, value, mapping, deltas)

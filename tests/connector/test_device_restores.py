@@ -1,0 +1,115 @@
+"""The worker's layer-by-layer restore and its head start (`DeviceRestores`),
+driven on the CPU, where its copies run synchronously: every planned token
+lands in its paged slot with the pool's bytes, keys re-RoPE'd by their
+deltas; a head start of the same step is adopted (its copies are the ones
+that land), one of another step or other slots is dropped and the step
+restores on its own. On CUDA the same code runs with copy streams inside vLLM
+(tests/gpu/test_cuda_engine.py). vLLM's attention layers are stand-ins here:
+their cache-update op writes rows into a flat cache by slot, as the
+platform's does."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_sekv.compat import KVGeometry
+from vllm_sekv.connector.restores import DeviceRestores
+from vllm_sekv.ops import RopeSpec, rotate_keys
+from vllm_sekv.store import HostPool
+from vllm_sekv.store.capture import CaptureWriter
+from vllm_sekv.workspace.plan import RestoreOp
+
+LAYERS, BT, HEADS, D, SLOTS, PAGED = 3, 4, 2, 8, 40, 200
+ROPE = RopeSpec(inv_freq=1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), rotary_dim=D)
+GEOMETRY = KVGeometry(num_layers=LAYERS, kv_heads=HEADS, head_dim=D, dtype=torch.float32, world_size=1)
+
+
+class Layer:
+    """An attention layer's cache-update op: rows into `cache[slot]`, -1 skipped."""
+
+    def __init__(self):
+        self.impl = self
+
+    def write_kv(self, layer, key, value, kv_cache, slots):
+        keep = slots >= 0
+        kv_cache[0, slots[keep]] = key[keep]
+        kv_cache[1, slots[keep]] = value[keep]
+
+
+def _setup(restore_mode="layerwise"):
+    pool = HostPool(SLOTS, LAYERS, BT, HEADS, D, torch.float32)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    caches = {name: torch.zeros(2, PAGED, HEADS, D) for name in names}
+    context = SimpleNamespace(no_compile_layers={name: Layer() for name in names})
+    restores = DeviceRestores(pool, CaptureWriter(pool, torch.device("cpu")), caches,
+                              {name: i for i, name in enumerate(names)}, GEOMETRY, ROPE, BT, restore_mode,
+                              torch.device("cpu"), layerwise_copies=True)
+    return pool, caches, context, restores
+
+
+def _op(rope_deltas=None):
+    host_rows = np.concatenate([np.arange(4 * BT, 7 * BT), np.arange(20 * BT, 21 * BT + 2)])  # two runs
+    paged = np.arange(len(host_rows), dtype=np.int64) * 3 + 5
+    return RestoreOp("r", paged_slots=paged, host_rows=host_rows, rope_deltas=rope_deltas)
+
+
+def _check(pool, caches, op):
+    rows = torch.from_numpy(op.host_rows)
+    slots = torch.from_numpy(op.paged_slots)
+    for layer, cache in enumerate(caches.values()):
+        key, value = pool.read_rows(layer, rows)
+        if op.rope_deltas is not None:
+            key = rotate_keys(key, torch.from_numpy(op.rope_deltas), ROPE)
+        assert torch.equal(cache[0, slots], key) and torch.equal(cache[1, slots], value), f"layer {layer}"
+
+
+def _run(restores, context, step_id, op, order=()):
+    assert restores.start(context, step_id, [op]) == []  # layerwise: its timing comes with `finish`
+    assert restores.layerwise
+    for name in order:
+        restores.load(name)
+    assert restores.finish() is None  # no timing events on the CPU
+    assert not restores.layerwise
+
+
+@pytest.mark.parametrize("deltas", [None, "moved"])
+def test_every_planned_token_lands_in_its_paged_slot(deltas):
+    pool, caches, context, restores = _setup()
+    op = _op(None if deltas is None else np.arange(len(_op().host_rows), dtype=np.int64) * 7 - 50)
+    _run(restores, context, 1, op, order=list(caches)[::-1])
+    _check(pool, caches, op)
+
+
+def test_a_head_start_of_the_same_step_is_adopted():
+    pool, caches, context, restores = _setup()
+    op = _op()
+    saved = pool.data.clone()
+    restores.head_start(1, [op])  # every layer's copy is made here (ring depth >= LAYERS)
+    pool.data.zero_()  # so what lands must be what the head start copied
+    _run(restores, context, 1, op)
+    pool.data.copy_(saved)
+    _check(pool, caches, op)
+
+
+@pytest.mark.parametrize("stale", ["another step", "other slots"])
+def test_a_head_start_of_another_step_or_other_slots_is_dropped(stale):
+    pool, caches, context, restores = _setup()
+    op = _op()
+    if stale == "another step":
+        restores.head_start(1, [op])
+    else:
+        restores.head_start(2, [RestoreOp("r", paged_slots=op.paged_slots[:3 * BT],
+                                          host_rows=np.arange(9 * BT, 12 * BT))])
+    pool.data.mul_(-1)  # what the stale copies read is not what this step restores
+    _run(restores, context, 2, op)
+    assert restores._head_start is None
+    _check(pool, caches, op)
+
+
+def test_scattered_slots_go_batched_in_auto_mode_and_get_no_head_start():
+    _, _, _, restores = _setup(restore_mode="auto")
+    scattered = np.concatenate([np.arange(s * BT, s * BT + BT) for s in (1, 5, 9, 13)])
+    restores.head_start(1, [RestoreOp("r", paged_slots=np.arange(len(scattered)), host_rows=scattered)])
+    assert restores._head_start is None

@@ -1,0 +1,267 @@
+"""The worker's restores on the device: planned host rows from the pinned
+pool into vLLM's paged caches, keys re-RoPE'd on the device, every write by
+the platform's own cache-update op (`LayerWriter`).
+
+Two ways, per `restore_mode` (auto: layer by layer when the restored slots
+run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
+
+* layer by layer (`LayerwiseRestore`): `start` enqueues the first layers'
+  copies, the forward asks for each layer before its attention (`load`),
+  `finish` writes whatever it did not ask for. When the scheduler side runs
+  in this process it hands over each step's plan as soon as it is built
+  (`connector.head_start`): `head_start` then enqueues those first copies
+  already, under the rest of vLLM's scheduling and input preparation, and
+  `start` of that step adopts them. A head start of another step (or other
+  slots) is dropped: the stream its buffers belong to waits for its copies;
+* batched (`RestorePipeline`): whole slots, every layer written before the
+  forward.
+
+Each restore's transfer time travels in the step's report as a
+`RestoreTiming` (CUDA events, read when they are in). One instance per
+worker, used from the forward thread (vLLM calls the scheduler side there
+too when it hands over plans). The layer-by-layer path also runs on CPU
+(synchronous copies), where tests drive it; the batched path is CUDA only.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_sekv import compat
+from vllm_sekv.connector.device_reports import RestoreTiming
+from vllm_sekv.ops import rotate_keys
+from vllm_sekv.store.capture import CaptureWriter
+from vllm_sekv.store.host_pool import HostPool, to_device
+from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
+from vllm_sekv.store.transfer import RestorePipeline
+from vllm_sekv.workspace.plan import RestoreOp, slot_runs_of_rows
+
+# `restore_mode` "auto" goes layerwise when the restored host slots come in
+# runs at least this long on average: each pitched copy then moves >= 8 slots'
+# layer (>= 256 KiB with 16-token blocks), close to one large copy's speed.
+LAYERWISE_MIN_RUN_BLOCKS = 8
+
+logger = logging.getLogger("vllm_sekv")
+
+
+def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
+                block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A restore op as whole host slots: (the slot of each run of the op's
+    rows that stay in one slot, in the op's order; the paged slot of each of
+    their tokens, -1 for tokens the op does not restore, which the
+    cache-update op skips; the RoPE delta of each token), from the op's runs
+    of rows in one slot (`slot_runs_of_rows`)."""
+    bt = block_tokens
+    slot_of_row = host_rows // bt
+    starts, slots = slot_runs_of_rows(slot_of_row)
+    run_of_row = np.zeros(len(host_rows), dtype=np.int64)
+    run_of_row[starts[1:]] = 1
+    np.cumsum(run_of_row, out=run_of_row)
+    run_of_row *= bt
+    where = run_of_row + host_rows % bt
+    mapping = np.full(len(slots) * bt, -1, dtype=np.int64)
+    mapping[where] = paged_slots
+    deltas = np.zeros(len(slots) * bt, dtype=np.int64)
+    if rope_deltas is not None:
+        deltas[where] = rope_deltas
+    return slots, mapping, deltas
+
+
+class LayerWriter:
+    """Writes restored K/V of one layer (or a batch of whole slots, every
+    layer) into the paged caches with the platform's cache-update op, keys
+    re-RoPE'd by the tokens' deltas first when the restore moves them. A
+    layerwise restore's writer gets its destinations (`route`) after the
+    first copies are enqueued, before the forward asks for a layer.
+
+    `layers`: layer index -> [(vLLM attention layer, its paged cache)]."""
+
+    def __init__(self, layers: dict[int, list], geometry: Any, rope: Any, rerope: bool) -> None:
+        self.layers = layers
+        self.geometry = geometry
+        self.rope = rope
+        self.rerope = rerope
+        self.mapping: torch.Tensor | None = None
+        self.deltas: torch.Tensor | None = None
+
+    def _write(self, idx: int, key: torch.Tensor, value: torch.Tensor,
+               mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        if self.rerope:
+            key = rotate_keys(key, deltas, self.rope)
+        for layer, kv_cache in self.layers.get(idx, ()):
+            layer.impl.write_kv(layer, key, value, kv_cache, mapping)
+
+    def route(self, mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        """Where a layerwise restore's tokens go (paged slot, -1: skipped) and
+        their RoPE deltas (None: keys not moved)."""
+        self.mapping, self.deltas = mapping, deltas
+
+    def __call__(self, idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """One layer of a layerwise restore: `[tokens, kv_heads, head_dim]`."""
+        if self.mapping is None:
+            raise RuntimeError("a layerwise restore wrote a layer before its writer was routed")
+        self._write(idx, key, value, self.mapping, self.deltas)
+
+    def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor) -> None:
+        """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`."""
+        geo = self.geometry
+        for idx in self.layers:
+            key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+            value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+            self._write(idx, key, value, mapping, deltas)
+
+
+class DeviceRestores:
+    """A worker's exact restores from its pinned pool (see the module doc).
+
+    `kv_caches` / `layer_of`: vLLM's paged caches by layer name and each
+    name's layer index; `capture_writer`: the worker's, whose copies into the
+    pool every restore's copies are ordered after; `layerwise_copies`:
+    whether layer-by-layer copies are available (CUDA: libcudart found)."""
+
+    def __init__(self, pool: HostPool, capture_writer: CaptureWriter, kv_caches: dict[str, torch.Tensor],
+                 layer_of: dict[str, int], geometry: Any, rope: Any, block_tokens: int, restore_mode: str,
+                 device: torch.device, layerwise_copies: bool) -> None:
+        self.pool = pool
+        self.capture_writer = capture_writer
+        self.kv_caches = kv_caches
+        self.layer_of = layer_of
+        self.geometry = geometry
+        self.rope = rope
+        self.block_tokens = block_tokens
+        self.restore_mode = restore_mode
+        self.device = torch.device(device)
+        self.layerwise_copies = layerwise_copies
+        self.pipeline = RestorePipeline(tuple(pool.data.shape[1:]), geometry.dtype, device)
+        self._copy_stream = getattr(self.pipeline, "copy_stream", None)  # CUDA only
+        self._job: LayerwiseRestore | None = None  # this step's layer-by-layer restore
+        self._shares: list[tuple[str, float]] = []  # its requests' shares of its blocks
+        # A layerwise restore begun when its step was planned (`head_start`):
+        # (step id, the stream its buffers were allocated on, the job).
+        self._head_start: tuple[int, Any, LayerwiseRestore] | None = None
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether a layer-by-layer restore runs in this step."""
+        return self._job is not None
+
+    def _current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    # ------------------------------------------------------------ head start
+
+    def head_start(self, step_id: int, ops: list[RestoreOp]) -> None:
+        """Enqueue the first layers' copies of step `step_id`'s layerwise
+        restore of `ops` now (nothing if they go batched). Allocation failure
+        only skips the head start."""
+        if not ops:
+            return
+        host_slots, _, layerwise = self._layout(ops)
+        if not layerwise:
+            return
+        self._drop_head_start()
+        try:
+            self._head_start = (step_id, self._current_stream(), self._start_copies(host_slots))
+        except torch.cuda.OutOfMemoryError:
+            logger.debug("sekv: no device memory for a restore's head start; it starts with its step")
+
+    def _drop_head_start(self) -> None:
+        """Let go of a head start no step adopted: the stream its buffers
+        belong to waits for its copies before the allocator hands them out
+        again."""
+        if self._head_start is not None:
+            _, stream, _ = self._head_start
+            if stream is not None:
+                stream.wait_stream(self._copy_stream)
+            self._head_start = None
+
+    def _adopt_head_start(self, step_id: int, host_slots: np.ndarray) -> LayerwiseRestore | None:
+        """The head start of step `step_id`, if it copies exactly `host_slots`
+        for the current stream; any other is dropped."""
+        step, stream, job = self._head_start or (None, None, None)
+        if job is not None and step == step_id and stream == self._current_stream() \
+                and np.array_equal(job.host_slots, host_slots):
+            self._head_start = None
+            return job
+        self._drop_head_start()
+        return None
+
+    # -------------------------------------------------------------- restores
+
+    def _layout(self, ops: list[RestoreOp]) -> tuple[np.ndarray, list[np.ndarray], bool]:
+        """(the host slots of `ops`' runs, in order; those of each op; whether
+        they restore layer by layer, per `restore_mode`)."""
+        op_slots = [slot_runs_of_rows(op.host_rows // self.block_tokens)[1] for op in ops]
+        host_slots = np.concatenate(op_slots)
+        mode = self.restore_mode
+        if mode == "auto":
+            mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
+        return host_slots, op_slots, mode == "layerwise" and self.layerwise_copies  # auto without them: batched
+
+    def _start_copies(self, host_slots: np.ndarray) -> LayerwiseRestore:
+        """A layerwise restore of `host_slots` with its first copies enqueued
+        (behind the captures already written); its `write` comes later."""
+        stream = self._current_stream()
+        if stream is not None:
+            self.capture_writer.order(stream)  # copy streams wait for it
+        job = LayerwiseRestore(self.pool.data, host_slots, None, self.device, copy_stream=self._copy_stream)
+        job.start()
+        return job
+
+    def start(self, forward_context: Any, step_id: int, ops: list[RestoreOp]) -> list[RestoreTiming]:
+        """Enqueue step `step_id`'s restores of `ops`: layer by layer (its
+        first copies possibly begun by `head_start`) or batched. Returns the
+        batched restores' timings (a layerwise one's comes from `finish`)."""
+        bt = self.block_tokens
+        host_slots, op_slots, layerwise = self._layout(ops)
+        rerope = any(op.rope_deltas is not None for op in ops)
+        if layerwise:
+            job = self._adopt_head_start(step_id, host_slots) or self._start_copies(host_slots)
+            writer = job.write = self._writer(forward_context, rerope)
+            # the first layers move while their destinations are worked out
+            layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
+            mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.device)
+            deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.device) if rerope else None
+            writer.route(mapping, deltas)
+            self._job = job
+            self._shares = [(op.req_id, len(slots) / len(host_slots)) for op, slots in zip(ops, op_slots)]
+            return []
+        self.capture_writer.order(self._current_stream())  # copy streams wait for it
+        timings = []
+        for op in ops:
+            slots, mapping, deltas = slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt)
+            writer = self._writer(forward_context, op.rope_deltas is not None)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.device),
+                                  to_device(deltas, self.device), self.rope, write=writer.batch)
+            end.record()
+            timings.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
+        return timings
+
+    def load(self, layer_name: str) -> None:
+        """Before a layer's attention: its restored KV is in the paged cache
+        (on the compute stream). A no-op unless a layerwise restore runs."""
+        if self._job is not None and layer_name in self.layer_of:
+            self._job.load(self.layer_of[layer_name])
+
+    def finish(self) -> RestoreTiming | None:
+        """Write every layer the forward did not ask for (the cache never keeps
+        stale KV) and end the step's layerwise restore: its timing (None: no
+        such restore, or no timing events on this device)."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        job.finish()
+        events = job.transfer_events()
+        return RestoreTiming(*events, self._shares) if events is not None else None
+
+    def _writer(self, forward_context: Any, rerope: bool) -> LayerWriter:
+        layers: dict[int, list] = {}
+        for name, kv_cache in self.kv_caches.items():
+            layers.setdefault(self.layer_of[name], []).append(
+                (compat.attention_layer(forward_context, name), kv_cache))
+        return LayerWriter(layers, self.geometry, self.rope, rerope)
