@@ -48,6 +48,7 @@ TARGETS = [
     ("sekv.scheduler.add_request", "vllm_sekv.scheduler", "SekvScheduler", "add_request"),
     ("sekv.worker.bind", "vllm_sekv.connector.worker", "SekvWorkerSide", "bind"),
     ("sekv.worker.start_load_kv", "vllm_sekv.connector.worker", "SekvWorkerSide", "start_load_kv"),
+    ("sekv.restores.head_start_match", "vllm_sekv.connector.restores", "DeviceRestores", "head_start_match"),
     ("sekv.restores.head_start", "vllm_sekv.connector.restores", "DeviceRestores", "head_start"),
     ("sekv.restores.start", "vllm_sekv.connector.restores", "DeviceRestores", "start"),
     ("sekv.restores.writer", "vllm_sekv.connector.restores", "DeviceRestores", "_writer"),

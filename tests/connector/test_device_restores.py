@@ -3,7 +3,8 @@ driven on the CPU, where its copies run synchronously: every planned token
 lands in its paged slot with the pool's bytes, keys re-RoPE'd by their
 deltas; a head start of the same step is adopted (its copies are the ones
 that land), one of another step or other slots is dropped and the step
-restores on its own. On CUDA the same code runs with copy streams inside vLLM
+restores on its own; one begun at the match lands only once the step's plan
+claims it with the same slots. On CUDA the same code runs with copy streams inside vLLM
 (tests/gpu/test_cuda_engine.py). vLLM's attention layers are stand-ins here:
 their cache-update op writes rows into a flat cache by slot, as the
 platform's does."""
@@ -108,8 +109,51 @@ def test_a_head_start_of_another_step_or_other_slots_is_dropped(stale):
     _check(pool, caches, op)
 
 
+def _slots(op):
+    return np.unique(op.host_rows // BT)  # the op's runs keep their slots in ascending order
+
+
+def test_a_head_start_begun_at_the_match_is_claimed_by_the_plan_of_the_same_slots():
+    pool, caches, context, restores = _setup()
+    op = _op()
+    saved = pool.data.clone()
+    restores.head_start_match(_slots(op))
+    pool.data.zero_()  # so what lands must be what the match's head start copied
+    restores.head_start(1, [op])
+    _run(restores, context, 1, op)
+    pool.data.copy_(saved)
+    _check(pool, caches, op)
+
+
+@pytest.mark.parametrize("plan", ["other slots", "no restore"])
+def test_a_head_start_begun_at_the_match_is_dropped_by_a_plan_that_does_not_restore_it(plan):
+    pool, caches, context, restores = _setup()
+    op = _op()
+    restores.head_start_match(np.arange(9, 12))
+    pool.data.mul_(-1)  # what the match's copies read is not what this step restores
+    restores.head_start(1, [op] if plan == "other slots" else [])
+    if plan == "no restore":
+        assert restores._head_start is None
+        return
+    step, _, job = restores._head_start  # the plan's own head start took its place
+    assert step == 1 and np.array_equal(job.host_slots, _slots(op))
+    _run(restores, context, 1, op)
+    _check(pool, caches, op)
+
+
+def test_a_head_start_begun_at_the_match_is_never_adopted_unclaimed():
+    pool, caches, context, restores = _setup()
+    op = _op()
+    restores.head_start_match(_slots(op))
+    pool.data.mul_(-1)
+    _run(restores, context, 1, op)  # no plan claimed it: the step copies for itself
+    _check(pool, caches, op)
+
+
 def test_scattered_slots_go_batched_in_auto_mode_and_get_no_head_start():
     _, _, _, restores = _setup(restore_mode="auto")
     scattered = np.concatenate([np.arange(s * BT, s * BT + BT) for s in (1, 5, 9, 13)])
     restores.head_start(1, [RestoreOp("r", paged_slots=np.arange(len(scattered)), host_rows=scattered)])
+    assert restores._head_start is None
+    restores.head_start_match(np.array([1, 5, 9, 13]))
     assert restores._head_start is None

@@ -91,6 +91,25 @@ def test_vllm_local_hit_is_not_restored_again():
     assert eng.admit("b", list(range(1, 51)), local=32) == 8
 
 
+@pytest.mark.parametrize("prompt_tokens, local", [(50, 0), (40, 0), (50, 32), (45, 16)])
+def test_the_slots_offered_at_the_match_are_the_ones_the_plan_restores(prompt_tokens, local):
+    """What a worker's head start copies at the match (`match_slots`) is
+    exactly what the step's restore reads, or the step would drop it."""
+    from vllm_sekv.workspace.plan import slot_runs_of_rows
+
+    eng = Engine()
+    prefill_and_finish(eng, "a", list(range(1, 41)))
+    prompt = list(range(1, prompt_tokens + 1))
+    eng.tokens["b"] = prompt
+    ext = eng.planner.match("b", prompt, "", None, local)
+    assert ext > 0
+    offered = eng.planner.match_slots("b", ext)
+    eng.planner.set_paged_blocks("b", list(range(100, 104)), replace=True)
+    eng.planner.accept_restore("b", ext)
+    (op,) = eng.run({"b": (local + ext, prompt_tokens - local - ext)}).restores
+    assert np.array_equal(offered, slot_runs_of_rows(op.host_rows // BT)[1])
+
+
 def test_different_salt_never_matches():
     eng = Engine()
     prefill_and_finish(eng, "a", list(range(1, 41)), salt="tenant-1")

@@ -11,8 +11,12 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
   in this process it hands over each step's plan as soon as it is built
   (`connector.head_start`): `head_start` then enqueues those first copies
   already, under the rest of vLLM's scheduling and input preparation, and
-  `start` of that step adopts them. A head start of another step (or other
-  slots) is dropped: the stream its buffers belong to waits for its copies;
+  `start` of that step adopts them. Earlier still, a restore just matched
+  begins at `head_start_match`, with a ring deep enough to keep the copy
+  engine busy until the forward asks for its first layer; the plan of the
+  same step claims it if it restores exactly those slots. A head start of
+  another step (or other slots) is dropped: the stream its buffers belong to
+  waits for its copies;
 * batched (`RestorePipeline`): whole slots, every layer written before the
   forward.
 
@@ -43,6 +47,13 @@ from vllm_sekv.workspace.plan import RestoreOp, slot_runs_of_rows
 # runs at least this long on average: each pitched copy then moves >= 8 slots'
 # layer (>= 256 KiB with 16-token blocks), close to one large copy's speed.
 LAYERWISE_MIN_RUN_BLOCKS = 8
+
+# A restore begun at its match (`head_start_match`) copies ahead into a ring
+# of up to this many bytes (at least the usual 4 layers): at 64K tokens of
+# Llama-3.1-8B, 12 layers, ~58 ms of copies, which covers vLLM's block
+# allocation and input preparation before the forward asks for layer 0.
+MATCH_RING_BYTES = 3 << 30
+DEFAULT_RING_LAYERS = 4
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -139,9 +150,10 @@ class DeviceRestores:
         self._copy_stream = getattr(self.pipeline, "copy_stream", None)  # CUDA only
         self._job: LayerwiseRestore | None = None  # this step's layer-by-layer restore
         self._shares: list[tuple[str, float]] = []  # its requests' shares of its blocks
-        # A layerwise restore begun when its step was planned (`head_start`):
-        # (step id, the stream its buffers were allocated on, the job).
-        self._head_start: tuple[int, Any, LayerwiseRestore] | None = None
+        # A layerwise restore begun before its step's forward (`head_start`,
+        # `head_start_match`): (its step's id, None until a plan claims one
+        # begun at its match; the stream its buffers were allocated on; the job).
+        self._head_start: tuple[int | None, Any, LayerwiseRestore] | None = None
 
     @property
     def layerwise(self) -> bool:
@@ -153,18 +165,35 @@ class DeviceRestores:
 
     # ------------------------------------------------------------ head start
 
+    def head_start_match(self, host_slots: np.ndarray) -> None:
+        """Enqueue the copies of a layerwise restore of `host_slots` that the
+        scheduler side just matched, before vLLM allocates its blocks; the
+        plan of the step claims it (`head_start`) or drops it. Nothing if the
+        slots go batched; allocation failure only skips it."""
+        self._drop_head_start()
+        if not len(host_slots) or not self._goes_layerwise(host_slots):
+            return
+        layer_bytes = len(host_slots) * self.pool.block_bytes // self.geometry.num_layers
+        depth = max(DEFAULT_RING_LAYERS, MATCH_RING_BYTES // max(1, layer_bytes))
+        self._begin_head_start(None, host_slots, depth)
+
     def head_start(self, step_id: int, ops: list[RestoreOp]) -> None:
         """Enqueue the first layers' copies of step `step_id`'s layerwise
-        restore of `ops` now (nothing if they go batched). Allocation failure
-        only skips the head start."""
-        if not ops:
-            return
-        host_slots, _, layerwise = self._layout(ops)
-        if not layerwise:
+        restore of `ops` now, or claim those begun at the match when they copy
+        the same slots; a head start the step does not use is dropped.
+        Nothing if they go batched; allocation failure only skips it."""
+        host_slots, _, layerwise = self._layout(ops) if ops else (None, None, False)
+        begun = self._head_start
+        if layerwise and begun is not None and begun[0] is None and np.array_equal(begun[2].host_slots, host_slots):
+            self._head_start = (step_id, begun[1], begun[2])
             return
         self._drop_head_start()
+        if layerwise:
+            self._begin_head_start(step_id, host_slots, DEFAULT_RING_LAYERS)
+
+    def _begin_head_start(self, step_id: int | None, host_slots: np.ndarray, depth: int) -> None:
         try:
-            self._head_start = (step_id, self._current_stream(), self._start_copies(host_slots))
+            self._head_start = (step_id, self._current_stream(), self._start_copies(host_slots, depth))
         except torch.cuda.OutOfMemoryError:
             logger.debug("sekv: no device memory for a restore's head start; it starts with its step")
 
@@ -196,18 +225,23 @@ class DeviceRestores:
         they restore layer by layer, per `restore_mode`)."""
         op_slots = [slot_runs_of_rows(op.host_rows // self.block_tokens)[1] for op in ops]
         host_slots = np.concatenate(op_slots)
+        return host_slots, op_slots, self._goes_layerwise(host_slots)
+
+    def _goes_layerwise(self, host_slots: np.ndarray) -> bool:
         mode = self.restore_mode
         if mode == "auto":
             mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
-        return host_slots, op_slots, mode == "layerwise" and self.layerwise_copies  # auto without them: batched
+        return mode == "layerwise" and self.layerwise_copies  # auto without them: batched
 
-    def _start_copies(self, host_slots: np.ndarray) -> LayerwiseRestore:
-        """A layerwise restore of `host_slots` with its first copies enqueued
-        (behind the captures already written); its `write` comes later."""
+    def _start_copies(self, host_slots: np.ndarray, depth: int = DEFAULT_RING_LAYERS) -> LayerwiseRestore:
+        """A layerwise restore of `host_slots` with its first `depth` layers'
+        copies enqueued (behind the captures already written); its `write`
+        comes later."""
         stream = self._current_stream()
         if stream is not None:
             self.capture_writer.order(stream)  # copy streams wait for it
-        job = LayerwiseRestore(self.pool.data, host_slots, None, self.device, copy_stream=self._copy_stream)
+        job = LayerwiseRestore(self.pool.data, host_slots, None, self.device, depth=depth,
+                               copy_stream=self._copy_stream)
         job.start()
         return job
 

@@ -89,6 +89,7 @@ class SekvSchedulerSide:
             capacity_tokens=compat.kv_capacity_tokens(kv_cache_config, vllm_config),
         )
         self._requests: dict[str, Any] = {}
+        self._matches_offered: set[str] = set()  # requests whose match went to `head_start.offer_match`
         # kv_transfer_params already handed to vLLM for finished requests,
         # completed when the worker reports their last step (see
         # `update_connector_output`).
@@ -148,6 +149,15 @@ class SekvSchedulerSide:
             compat.request_session_id(request),
             num_computed_tokens,
         )
+        if ext and request.request_id not in self._matches_offered and head_start.has_worker(self._engine_id):
+            # A worker in this process starts the restore's copies now, before
+            # vLLM allocates the blocks. Once per request: one vLLM cannot
+            # schedule yet is matched again every step, and its copies would
+            # be dropped every time.
+            self._matches_offered.add(request.request_id)
+            slots = self.planner.match_slots(request.request_id, ext)
+            if slots is not None:
+                head_start.offer_match(self._engine_id, slots)
         return ext, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -203,6 +213,7 @@ class SekvSchedulerSide:
         tokens, computed = progress or (request.all_token_ids, compat.finished_tokens(request))
         view_info = self.views.finish(request)
         self._requests.pop(req_id, None)
+        self._matches_offered.discard(req_id)
         st = self.planner.finish(req_id, tokens, computed)
         if st is None:
             return False, None

@@ -14,8 +14,9 @@ Runs in each worker process, on the forward thread, in this order per step:
                    the forward. On CUDA enqueued on a copy stream
                    (`DeviceRestores`): either layer by layer (only the first
                    layers' copies are enqueued here, or already when the
-                   scheduler side planned the step, if it runs in this
-                   process: `head_start`) or batched (every layer written
+                   scheduler side matched the restore or planned the step,
+                   if it runs in this process: `head_start_match`,
+                   `head_start`) or batched (every layer written
                    before the forward), per `restore_mode`;
   `wait_for_layer_load` (vLLM, and the attention hook as a safety net) before
                    each layer's attention: a layerwise restore writes that
@@ -485,6 +486,13 @@ class SekvWorkerSide:
         first copies now (`DeviceRestores.head_start`)."""
         if self.restores is not None:
             self.restores.head_start(plan.step_id, [op for op in plan.restores if not op.lowrank])
+
+    def head_start_match(self, host_slots: np.ndarray) -> None:
+        """The scheduler side (in this process) just matched a restore of
+        `host_slots`: its copies begin now, before vLLM allocates the request's
+        blocks (`DeviceRestores.head_start_match`); the step's plan claims them."""
+        if self.restores is not None:
+            self.restores.head_start_match(host_slots)
 
     def capture_kv(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor

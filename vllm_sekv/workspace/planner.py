@@ -174,6 +174,21 @@ class WorkspacePlanner:
             self.catalog.unpin(held)
         return usable, reading
 
+    def match_slots(self, req_id: str, num_external_tokens: int) -> np.ndarray | None:
+        """The host slots, in order, that the restore of the match's last
+        `num_external_tokens` tokens reads once accepted (one per block it
+        touches); None for a view pass, or a match not all on the host."""
+        st = self.requests[req_id]
+        if st.view is not None or num_external_tokens <= 0:
+            return None
+        bt = self.block_tokens
+        first = (st.match_end_tokens - num_external_tokens) // bt - st.match_first_block
+        end = -(-st.match_end_tokens // bt) - st.match_first_block
+        if first < 0 or end > len(st.matched):
+            return None
+        slots = [rec.host_slot for rec in st.matched[first:end]]
+        return None if None in slots else np.array(slots, dtype=np.int64)
+
     def accept_restore(self, req_id: str, num_external_tokens: int) -> None:
         """vLLM takes `num_external_tokens` from us, ending at the match end."""
         st = self.requests[req_id]
