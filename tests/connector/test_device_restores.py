@@ -150,6 +150,21 @@ def test_a_head_start_begun_at_the_match_is_never_adopted_unclaimed():
     _check(pool, caches, op)
 
 
+def test_a_second_restore_matched_in_the_same_pass_leaves_the_first_its_head_start():
+    pool, caches, context, restores = _setup()
+    op = _op()
+    restores.head_start_match(_slots(op))
+    first = restores._head_start
+    restores.head_start_match(np.arange(9, 12))
+    assert restores._head_start is first
+    saved = pool.data.clone()
+    pool.data.zero_()  # so what lands must be what the first match's head start copied
+    restores.head_start(1, [op])
+    _run(restores, context, 1, op)
+    pool.data.copy_(saved)
+    _check(pool, caches, op)
+
+
 def test_scattered_slots_go_batched_in_auto_mode_and_get_no_head_start():
     _, _, _, restores = _setup(restore_mode="auto")
     scattered = np.concatenate([np.arange(s * BT, s * BT + BT) for s in (1, 5, 9, 13)])

@@ -169,7 +169,15 @@ class DeviceRestores:
         """Enqueue the copies of a layerwise restore of `host_slots` that the
         scheduler side just matched, before vLLM allocates its blocks; the
         plan of the step claims it (`head_start`) or drops it. Nothing if the
-        slots go batched; allocation failure only skips it."""
+        slots go batched; allocation failure only skips it.
+
+        The first restore matched in a scheduling pass keeps the copy engine:
+        a second one in the same pass starts nothing (enqueued copies cannot
+        be taken back, so replacing the first would waste its copies and
+        delay the step's own), and the step's plan, which then restores both,
+        drops the first and copies for itself."""
+        if self._head_start is not None and self._head_start[0] is None:
+            return
         self._drop_head_start()
         if not len(host_slots) or not self._goes_layerwise(host_slots):
             return
