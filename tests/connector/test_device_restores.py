@@ -4,7 +4,8 @@ lands in its paged slot with the pool's bytes, keys re-RoPE'd by their
 deltas; a head start of the same step is adopted (its copies are the ones
 that land), one of another step or other slots is dropped and the step
 restores on its own; one begun at the match lands only once the step's plan
-claims it with the same slots. On CUDA the same code runs with copy streams inside vLLM
+claims it for the request that restores exactly its slots, the plan's other
+requests restored by a second job. On CUDA the same code runs with copy streams inside vLLM
 (tests/gpu/test_cuda_engine.py). vLLM's attention layers are stand-ins here:
 their cache-update op writes rows into a flat cache by slot, as the
 platform's does."""
@@ -71,7 +72,7 @@ def _run(restores, context, step_id, op, order=()):
     assert restores.layerwise
     for name in order:
         restores.load(name)
-    assert restores.finish() is None  # no timing events on the CPU
+    assert restores.finish() == []  # no timing events on the CPU
     assert not restores.layerwise
 
 
@@ -135,8 +136,9 @@ def test_a_head_start_begun_at_the_match_is_dropped_by_a_plan_that_does_not_rest
     if plan == "no restore":
         assert restores._head_start is None
         return
-    step, _, job = restores._head_start  # the plan's own head start took its place
-    assert step == 1 and np.array_equal(job.host_slots, _slots(op))
+    begun = restores._head_start  # the plan's own head start took its place
+    assert begun.step_id == 1 and [indices for indices, _ in begun.jobs] == [[0]]
+    assert np.array_equal(begun.jobs[0][1].host_slots, _slots(op))
     _run(restores, context, 1, op)
     _check(pool, caches, op)
 
@@ -163,6 +165,24 @@ def test_a_second_restore_matched_in_the_same_pass_leaves_the_first_its_head_sta
     _run(restores, context, 1, op)
     pool.data.copy_(saved)
     _check(pool, caches, op)
+
+
+def test_a_plan_of_two_restores_claims_the_match_head_start_for_its_request_and_copies_the_other():
+    pool, caches, context, restores = _setup()
+    a = _op()
+    b = RestoreOp("b", paged_slots=np.arange(100, 100 + 3 * BT, dtype=np.int64), host_rows=np.arange(9 * BT, 12 * BT))
+    saved = pool.data.clone()
+    restores.head_start_match(_slots(a))
+    pool.data.zero_()  # a's bytes can only come from the match's copies ...
+    pool.data[9:12] = saved[9:12]  # ... and b's from the plan's
+    restores.head_start(1, [b, a])
+    assert [indices for indices, _ in restores._head_start.jobs] == [[1], [0]]
+    pool.data.zero_()  # so what lands must be what the two head starts copied
+    assert restores.start(context, 1, [b, a]) == [] and restores.layerwise
+    assert restores.finish() == [] and not restores.layerwise
+    pool.data.copy_(saved)
+    _check(pool, caches, a)
+    _check(pool, caches, b)
 
 
 def test_scattered_slots_go_batched_in_auto_mode_and_get_no_head_start():

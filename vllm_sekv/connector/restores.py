@@ -14,9 +14,10 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
   `start` of that step adopts them. Earlier still, a restore just matched
   begins at `head_start_match`, with a ring deep enough to keep the copy
   engine busy until the forward asks for its first layer; the plan of the
-  same step claims it if it restores exactly those slots. A head start of
-  another step (or other slots) is dropped: the stream its buffers belong to
-  waits for its copies;
+  same step claims it for the request whose restore reads exactly those
+  slots, and restores its other requests as a second layerwise job. A head
+  start of another step (or other slots) is dropped: the stream its buffers
+  belong to waits for its copies;
 * batched (`RestorePipeline`): whole slots, every layer written before the
   forward.
 
@@ -29,6 +30,7 @@ too when it hands over plans). The layer-by-layer path also runs on CPU
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,20 @@ MATCH_RING_BYTES = 3 << 30
 DEFAULT_RING_LAYERS = 4
 
 logger = logging.getLogger("vllm_sekv")
+
+
+@dataclass
+class HeadStart:
+    """Layerwise restores begun before their step's forward.
+
+    `step_id`: the step they are for (None: begun at a match, not yet claimed
+    by a plan); `stream`: the stream their buffers were allocated on;
+    `jobs`: (the indices of the step's restore ops a job restores, in order,
+    the job); a job begun at a match has no ops until a plan claims it."""
+
+    step_id: int | None
+    stream: Any
+    jobs: list[tuple[list[int], LayerwiseRestore]]
 
 
 def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
@@ -148,17 +164,16 @@ class DeviceRestores:
         self.layerwise_copies = layerwise_copies
         self.pipeline = RestorePipeline(tuple(pool.data.shape[1:]), geometry.dtype, device)
         self._copy_stream = getattr(self.pipeline, "copy_stream", None)  # CUDA only
-        self._job: LayerwiseRestore | None = None  # this step's layer-by-layer restore
-        self._shares: list[tuple[str, float]] = []  # its requests' shares of its blocks
-        # A layerwise restore begun before its step's forward (`head_start`,
-        # `head_start_match`): (its step's id, None until a plan claims one
-        # begun at its match; the stream its buffers were allocated on; the job).
-        self._head_start: tuple[int | None, Any, LayerwiseRestore] | None = None
+        # This step's layer-by-layer restores (one, or two when a head start
+        # begun at a match serves one of its requests), each with its
+        # requests' shares of its blocks.
+        self._jobs: list[tuple[LayerwiseRestore, list[tuple[str, float]]]] = []
+        self._head_start: HeadStart | None = None
 
     @property
     def layerwise(self) -> bool:
         """Whether a layer-by-layer restore runs in this step."""
-        return self._job is not None
+        return bool(self._jobs)
 
     def _current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -174,57 +189,88 @@ class DeviceRestores:
         The first restore matched in a scheduling pass keeps the copy engine:
         a second one in the same pass starts nothing (enqueued copies cannot
         be taken back, so replacing the first would waste its copies and
-        delay the step's own), and the step's plan, which then restores both,
-        drops the first and copies for itself."""
-        if self._head_start is not None and self._head_start[0] is None:
+        delay the step's own); the step's plan restores it with the others."""
+        if self._head_start is not None and self._head_start.step_id is None:
             return
         self._drop_head_start()
         if not len(host_slots) or not self._goes_layerwise(host_slots):
             return
         layer_bytes = len(host_slots) * self.pool.block_bytes // self.geometry.num_layers
         depth = max(DEFAULT_RING_LAYERS, MATCH_RING_BYTES // max(1, layer_bytes))
-        self._begin_head_start(None, host_slots, depth)
+        job = self._try_start_copies(host_slots, depth)
+        if job is not None:
+            self._head_start = HeadStart(None, self._current_stream(), [([], job)])
 
     def head_start(self, step_id: int, ops: list[RestoreOp]) -> None:
         """Enqueue the first layers' copies of step `step_id`'s layerwise
-        restore of `ops` now, or claim those begun at the match when they copy
-        the same slots; a head start the step does not use is dropped.
-        Nothing if they go batched; allocation failure only skips it."""
-        host_slots, _, layerwise = self._layout(ops) if ops else (None, None, False)
-        begun = self._head_start
-        if layerwise and begun is not None and begun[0] is None and np.array_equal(begun[2].host_slots, host_slots):
-            self._head_start = (step_id, begun[1], begun[2])
+        restore of `ops` now. A restore begun at the match is claimed for the
+        op that reads exactly its slots, the other ops get a job of their
+        own; one no op reads is dropped. Nothing if they go batched;
+        allocation failure only skips the head start."""
+        if not ops:
+            self._drop_head_start()
             return
-        self._drop_head_start()
-        if layerwise:
-            self._begin_head_start(step_id, host_slots, DEFAULT_RING_LAYERS)
+        host_slots, op_slots, layerwise = self._layout(ops)
+        if not layerwise:
+            self._drop_head_start()
+            return
+        jobs: list[tuple[list[int], LayerwiseRestore]] = []
+        begun = self._head_start
+        if begun is not None and begun.step_id is None:
+            match_job = begun.jobs[0][1]
+            claimed = next((i for i, slots in enumerate(op_slots)
+                            if np.array_equal(slots, match_job.host_slots)), None)
+            if claimed is not None:
+                jobs.append(([claimed], match_job))
+        if not jobs:
+            self._drop_head_start()
+            begun = None
+        stream = begun.stream if begun is not None else self._current_stream()
+        rest = [i for i in range(len(ops)) if not any(i in indices for indices, _ in jobs)]
+        if rest:
+            job = self._try_start_copies(np.concatenate([op_slots[i] for i in rest]), DEFAULT_RING_LAYERS)
+            if job is not None:
+                jobs.append((rest, job))
+        self._head_start = HeadStart(step_id, stream, jobs) if jobs else None
 
-    def _begin_head_start(self, step_id: int | None, host_slots: np.ndarray, depth: int) -> None:
+    def _try_start_copies(self, host_slots: np.ndarray, depth: int) -> LayerwiseRestore | None:
         try:
-            self._head_start = (step_id, self._current_stream(), self._start_copies(host_slots, depth))
+            return self._start_copies(host_slots, depth)
         except torch.cuda.OutOfMemoryError:
             logger.debug("sekv: no device memory for a restore's head start; it starts with its step")
+            return None
 
     def _drop_head_start(self) -> None:
-        """Let go of a head start no step adopted: the stream its buffers
-        belong to waits for its copies before the allocator hands them out
-        again."""
-        if self._head_start is not None:
-            _, stream, _ = self._head_start
-            if stream is not None:
-                stream.wait_stream(self._copy_stream)
-            self._head_start = None
+        """Let go of a head start no step adopted."""
+        begun, self._head_start = self._head_start, None
+        self._release(begun)
 
-    def _adopt_head_start(self, step_id: int, host_slots: np.ndarray) -> LayerwiseRestore | None:
-        """The head start of step `step_id`, if it copies exactly `host_slots`
-        for the current stream; any other is dropped."""
-        step, stream, job = self._head_start or (None, None, None)
-        if job is not None and step == step_id and stream == self._current_stream() \
-                and np.array_equal(job.host_slots, host_slots):
-            self._head_start = None
-            return job
-        self._drop_head_start()
-        return None
+    def _release(self, begun: HeadStart | None) -> None:
+        """The stream the buffers of `begun` belong to waits for their copies
+        before the allocator hands them out again."""
+        if begun is not None and begun.stream is not None:
+            begun.stream.wait_stream(self._copy_stream)
+
+    def _adopt_head_start(self, step_id: int, op_slots: list[np.ndarray]) -> list[tuple[list[int], LayerwiseRestore]]:
+        """The jobs of step `step_id`'s head start, for the current stream,
+        when together they restore exactly `op_slots` (the slots of each of
+        the step's ops), plus a new job for any op none of them restores;
+        any other head start is dropped, and one job restores every op."""
+        def restores_exactly(indices: list[int], job: LayerwiseRestore) -> bool:
+            return bool(indices) and max(indices) < len(op_slots) and np.array_equal(
+                job.host_slots, np.concatenate([op_slots[i] for i in indices]))
+
+        begun, self._head_start = self._head_start, None
+        if begun is not None and (begun.step_id != step_id or begun.stream != self._current_stream()
+                                  or not all(restores_exactly(*job) for job in begun.jobs)):
+            self._release(begun)
+            begun = None
+        jobs = begun.jobs if begun is not None else []
+        covered = {i for indices, _ in jobs for i in indices}
+        rest = [i for i in range(len(op_slots)) if i not in covered]
+        if rest:
+            jobs = jobs + [(rest, self._start_copies(np.concatenate([op_slots[i] for i in rest])))]
+        return jobs
 
     # -------------------------------------------------------------- restores
 
@@ -254,22 +300,23 @@ class DeviceRestores:
         return job
 
     def start(self, forward_context: Any, step_id: int, ops: list[RestoreOp]) -> list[RestoreTiming]:
-        """Enqueue step `step_id`'s restores of `ops`: layer by layer (its
-        first copies possibly begun by `head_start`) or batched. Returns the
+        """Enqueue step `step_id`'s restores of `ops`: layer by layer (their
+        first copies possibly begun by a head start) or batched. Returns the
         batched restores' timings (a layerwise one's comes from `finish`)."""
         bt = self.block_tokens
         host_slots, op_slots, layerwise = self._layout(ops)
-        rerope = any(op.rope_deltas is not None for op in ops)
         if layerwise:
-            job = self._adopt_head_start(step_id, host_slots) or self._start_copies(host_slots)
-            writer = job.write = self._writer(forward_context, rerope)
-            # the first layers move while their destinations are worked out
-            layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in ops]
-            mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.device)
-            deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.device) if rerope else None
-            writer.route(mapping, deltas)
-            self._job = job
-            self._shares = [(op.req_id, len(slots) / len(host_slots)) for op, slots in zip(ops, op_slots)]
+            for indices, job in self._adopt_head_start(step_id, op_slots):
+                job_ops = [ops[i] for i in indices]
+                rerope = any(op.rope_deltas is not None for op in job_ops)
+                writer = job.write = self._writer(forward_context, rerope)
+                # the first layers move while their destinations are worked out
+                layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in job_ops]
+                mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.device)
+                deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.device) if rerope else None
+                writer.route(mapping, deltas)
+                shares = [(ops[i].req_id, len(op_slots[i]) / job.num_blocks) for i in indices]
+                self._jobs.append((job, shares))
             return []
         self.capture_writer.order(self._current_stream())  # copy streams wait for it
         timings = []
@@ -287,19 +334,23 @@ class DeviceRestores:
     def load(self, layer_name: str) -> None:
         """Before a layer's attention: its restored KV is in the paged cache
         (on the compute stream). A no-op unless a layerwise restore runs."""
-        if self._job is not None and layer_name in self.layer_of:
-            self._job.load(self.layer_of[layer_name])
+        if self._jobs and layer_name in self.layer_of:
+            layer = self.layer_of[layer_name]
+            for job, _ in self._jobs:
+                job.load(layer)
 
-    def finish(self) -> RestoreTiming | None:
+    def finish(self) -> list[RestoreTiming]:
         """Write every layer the forward did not ask for (the cache never keeps
-        stale KV) and end the step's layerwise restore: its timing (None: no
-        such restore, or no timing events on this device)."""
-        job, self._job = self._job, None
-        if job is None:
-            return None
-        job.finish()
-        events = job.transfer_events()
-        return RestoreTiming(*events, self._shares) if events is not None else None
+        stale KV) and end the step's layerwise restores: their timings (none
+        without such a restore, or without timing events on this device)."""
+        jobs, self._jobs = self._jobs, []
+        timings = []
+        for job, shares in jobs:
+            job.finish()
+            events = job.transfer_events()
+            if events is not None:
+                timings.append(RestoreTiming(*events, shares))
+        return timings
 
     def _writer(self, forward_context: Any, rerope: bool) -> LayerWriter:
         layers: dict[int, list] = {}

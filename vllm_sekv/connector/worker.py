@@ -459,9 +459,8 @@ class SekvWorkerSide:
         """Write every layer of this step's layerwise restore the forward did
         not ask for (the cache never keeps stale KV); its timing goes in the
         step's report."""
-        timing = self.restores.finish() if self.restores is not None else None
-        if timing is not None:
-            self._device_reports.append(timing)
+        if self.restores is not None:
+            self._device_reports += self.restores.finish()
 
     def _restore(
         self,
