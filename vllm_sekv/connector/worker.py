@@ -456,8 +456,8 @@ class SekvWorkerSide:
             self.restores.load(layer_name)
 
     def _end_layerwise(self) -> None:
-        """Write every layer of this step's layerwise restore the forward did
-        not ask for (the cache never keeps stale KV); its timing goes in the
+        """Write every layer of this step's layerwise restores the forward did
+        not ask for (the cache never keeps stale KV); their timings go in the
         step's report."""
         if self.restores is not None:
             self._device_reports += self.restores.finish()
