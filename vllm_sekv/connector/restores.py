@@ -74,6 +74,12 @@ class HeadStart:
     jobs: list[tuple[list[int], LayerwiseRestore]]
 
 
+def _uncovered(jobs: list[tuple[list[int], LayerwiseRestore]], num_ops: int) -> list[int]:
+    """The indices of a step's `num_ops` restore ops that none of `jobs` restores."""
+    covered = {i for indices, _ in jobs for i in indices}
+    return [i for i in range(num_ops) if i not in covered]
+
+
 def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
                 block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A restore op as whole host slots: (the slot of each run of the op's
@@ -210,7 +216,7 @@ class DeviceRestores:
         if not ops:
             self._drop_head_start()
             return
-        host_slots, op_slots, layerwise = self._layout(ops)
+        _, op_slots, layerwise = self._layout(ops)
         if not layerwise:
             self._drop_head_start()
             return
@@ -226,7 +232,7 @@ class DeviceRestores:
             self._drop_head_start()
             begun = None
         stream = begun.stream if begun is not None else self._current_stream()
-        rest = [i for i in range(len(ops)) if not any(i in indices for indices, _ in jobs)]
+        rest = _uncovered(jobs, len(ops))
         if rest:
             job = self._try_start_copies(np.concatenate([op_slots[i] for i in rest]), DEFAULT_RING_LAYERS)
             if job is not None:
@@ -266,8 +272,7 @@ class DeviceRestores:
             self._release(begun)
             begun = None
         jobs = begun.jobs if begun is not None else []
-        covered = {i for indices, _ in jobs for i in indices}
-        rest = [i for i in range(len(op_slots)) if i not in covered]
+        rest = _uncovered(jobs, len(op_slots))
         if rest:
             jobs = jobs + [(rest, self._start_copies(np.concatenate([op_slots[i] for i in rest])))]
         return jobs
