@@ -148,6 +148,13 @@ class SekvConfig:
     probe_query_tokens: int = 64
     # Blocks before each selected block that the view takes along with it.
     view_context_blocks: int = 0
+    # Token-level re-rank of a probe's best candidates (0 = off): the index's
+    # `rerank_blocks` highest-scoring blocks are scored again by the probe
+    # queries' attention over their actual keys (from the host tier, each
+    # block placed at the same distance before the queries), and the view
+    # takes them in that order, ahead of the rest. Tells apart blocks that a
+    # summary cannot (look-alike facts that differ in one token).
+    rerank_blocks: int = 0
     # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
     # ("" = no router: the training-free index above selects). Checked here, at
     # start-up: the file must exist and be a valid router file; its model
@@ -199,7 +206,7 @@ class SekvConfig:
                     f"sekv config '{key}': expected a non-negative multiple of block_tokens "
                     f"({bt}), got {n}"
                 )
-        for key in ("view_tokens", "probe_query_tokens", "view_context_blocks"):
+        for key in ("view_tokens", "probe_query_tokens", "view_context_blocks", "rerank_blocks"):
             if getattr(self, key) < 0:
                 raise ValueError(f"sekv config '{key}': must not be negative, got {getattr(self, key)}")
         if self.view_tokens and self.view_tokens < self.sink_tokens + self.recent_tokens + 2 * bt:
@@ -243,6 +250,9 @@ class SekvConfig:
                 parse_codec(self.restore_codec)
             except ValueError as e:
                 raise ValueError(f"sekv config 'restore_codec': {e} (or 'router')") from None
+        if self.rerank_blocks and self.router_path:
+            raise ValueError("sekv config 'rerank_blocks': the zoom router ranks blocks on its own; "
+                             "use rerank_blocks 0 with router_path")
         if self.router_path:
             if self.surprisal != "on":
                 raise ValueError("sekv config 'router_path': the zoom router scores surprisal-weighted "

@@ -45,6 +45,8 @@ from corpora import Corpora  # noqa: E402
 
 SEKV_CONFIGS: dict[str, dict] = {
     "views": {},
+    "views-rerank": {"rerank_blocks": 1024},
+    "views-q16": {"probe_query_tokens": 16},
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},

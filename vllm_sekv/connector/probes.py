@@ -9,6 +9,11 @@ last layer of its last step the probe is done: its rows per (layer, query
 head), or on a single rank already combined into one row, go to the
 scheduler side in the step's report, which picks the view's blocks with them.
 
+With `rerank_blocks` set, the probe also keeps its queries layer by layer,
+and at the end the index's best candidates are scored again with their
+actual keys (`connector.rerank`); the report is then one row, those
+candidates first, in their re-ranked order.
+
 With a SeKV zoom router (config `router_path`) the router scores instead: the
 probe's pre-RoPE queries are kept layer by layer and, at the end, scored on
 the host against the candidates' surprisal-weighted mean keys; the report is
@@ -25,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from vllm_sekv.connector.rerank import KeyReader, rerank
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.workspace.block_index import BlockIndex
@@ -43,8 +49,15 @@ class ProbeScorer:
     scores accumulated over its steps until it is done."""
 
     def __init__(self, index: BlockIndex, router: Any, geometry: Any, rope: Any, block_tokens: int,
-                 index_combine: str) -> None:
+                 index_combine: str, rerank_blocks: int = 0, rerank_distance: int = 0,
+                 read_keys: KeyReader | None = None) -> None:
+        if rerank_blocks and (read_keys is None or geometry.world_size > 1):
+            raise ValueError("sekv config 'rerank_blocks': the re-rank needs every query head on one "
+                             "rank; tensor parallelism is not supported yet")
         self.index = index
+        self.rerank_blocks = rerank_blocks
+        self.rerank_distance = rerank_distance
+        self.read_keys = read_keys
         self.router = router
         self.geometry = geometry
         self.rope = rope
@@ -54,6 +67,8 @@ class ProbeScorer:
         self._step: list[tuple[ScoreOp, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._acc: dict[str, torch.Tensor] = {}  # req_id -> [L, Hq, B], over the probe's steps
         self._router_queries: dict[str, list[list[torch.Tensor]]] = {}  # req_id -> per layer
+        # Re-rank: per request, the probe's queries (post-RoPE) per layer and their positions.
+        self._rerank_queries: dict[str, tuple[list[list[torch.Tensor]], list[torch.Tensor]]] = {}
         self._done: dict[str, np.ndarray] = {}
 
     @property
@@ -88,6 +103,8 @@ class ProbeScorer:
             if len(rows):
                 device = self.index.device
                 q = query[rows].reshape(len(rows), -1, head_dim).float().to(device)
+                if self.rerank_blocks:
+                    self._keep_query(op.req_id, layer_idx, query[rows].reshape(len(rows), -1, head_dim), positions)
                 q = rotate_keys(q, -positions, self.rope)  # pre-RoPE
                 if self.index.query_space == "post":
                     q = rotate_keys(q, positions + op.query_virtual_offset, self.rope)
@@ -97,7 +114,12 @@ class ProbeScorer:
                     self._acc[op.req_id] = acc
                 acc[layer_idx] += part
             if op.last and layer_idx == self.geometry.num_layers - 1:
-                self._done[op.req_id] = self._score_rows(self._acc.pop(op.req_id, None), op)
+                acc = self._acc.pop(op.req_id, None)
+                kept = self._rerank_queries.pop(op.req_id, None)
+                if acc is not None and kept is not None:
+                    self._done[op.req_id] = self._reranked(acc, kept, op)
+                else:
+                    self._done[op.req_id] = self._score_rows(acc, op)
 
     def unobserved(self, ops: list[ScoreOp]) -> None:
         """This step's probes ran in a forward that showed no layer's queries
@@ -107,6 +129,7 @@ class ProbeScorer:
         for op in ops:
             if op.last:
                 self._router_queries.pop(op.req_id, None)
+                self._rerank_queries.pop(op.req_id, None)
                 acc = self._acc.pop(op.req_id, None) if self.router is None else None
                 self._done[op.req_id] = self._score_rows(acc, op)
 
@@ -126,6 +149,36 @@ class ProbeScorer:
         if self.geometry.world_size == 1:
             rows = combine_heads(rows, self.index_combine)[None]
         return rows.cpu().numpy()
+
+    def _keep_query(self, req_id: str, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep a probe step's queries of one layer (and, at its first layer,
+        their positions) for the re-rank."""
+        layers, positions_kept = self._rerank_queries.setdefault(
+            req_id, ([[] for _ in range(self.geometry.num_layers)], []))
+        layers[layer_idx].append(query.to(self.index.device))
+        if layer_idx == 0:
+            positions_kept.append(positions)
+
+    def _reranked(self, acc: torch.Tensor, kept: tuple[list[list[torch.Tensor]], list[torch.Tensor]],
+                  op: ScoreOp) -> np.ndarray:
+        """One row: the index's `rerank_blocks` best indexed candidates
+        first (1 + their re-rank mass), then the others by their index score
+        scaled into [0, 1)."""
+        device = self.index.device
+        combined = combine_heads(acc.reshape(-1, acc.shape[-1]), self.index_combine)
+        slots = torch.as_tensor(op.candidate_slots, device=device)
+        valid = self.index.valid[slots]
+        count = min(self.rerank_blocks, int(valid.sum()))
+        if count == 0 or not kept[0][0]:
+            return combined[None].cpu().numpy()
+        top = combined.masked_fill(~valid, float("-inf")).topk(count).indices
+        queries = torch.stack([torch.cat(chunks) for chunks in kept[0]])  # [L, m, Hq, D]
+        positions = torch.cat(kept[1])
+        mass = rerank(queries, positions, slots[top].tolist(), torch.as_tensor(op.candidate_starts, device=device)[top],
+                      self.read_keys, self.rope, self.rerank_distance, self.index_combine)
+        out = combined.clamp_min(0) / (combined.max().clamp_min(1e-30) * 2)
+        out[top] = 1.0 + mass
+        return out[None].cpu().numpy()
 
     def _route(self, op: ScoreOp, layer_idx: int, query: torch.Tensor, rows: torch.Tensor,
                positions: torch.Tensor) -> None:

@@ -219,8 +219,10 @@ class SekvWorkerSide:
         # On CUDA the index lives on the GPU: probes score where the queries are.
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind,
                                 device=device if device.type == "cuda" else "cpu")
+        view_tokens = self.config.view_tokens or compat.native_window_tokens(self.vllm_config)
         self.probes = ProbeScorer(self.index, self.router, geo, self.rope, self.config.block_tokens,
-                                  self.config.index_combine)
+                                  self.config.index_combine, self.config.rerank_blocks, view_tokens // 2,
+                                  self._read_keys)
         if self.config.surprisal == "on":
             model = compat.model_of_caller()
             if model is None:
@@ -231,6 +233,14 @@ class SekvWorkerSide:
             layout = nvme_layout(self.config, self.vllm_config)
             self.records = RecordIO(layout, self.pool.data, compat.worker_rank(),
                                     self.config.nvme_io_threads)
+
+    def _read_keys(self, slots: list[int]) -> torch.Tensor:
+        """Keys of whole host slots on the index's device (the re-rank's
+        reader); on CUDA ordered after every capture written so far."""
+        device = self.index.device
+        if device.type == "cuda":
+            self.capture_writer.order(torch.cuda.current_stream(device))
+        return self.pool.slot_keys_on(slots, device)
 
     def _paged_views(self, kv_caches: dict[str, torch.Tensor]) -> tuple[list, list] | None:
         """Every layer's (K, V) paged-cache views, if all layers have them
