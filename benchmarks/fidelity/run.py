@@ -144,30 +144,32 @@ def answer_blocks(tokenizer, session: S.Session, q: int, block_tokens: int) -> l
 # ---------------------------------------------------------------- servers
 
 class Servers:
-    """The plain server and one sekv server per configuration, started together."""
+    """One plain server per text method and one sekv server per configuration, started together."""
 
-    def __init__(self, args, configs: dict[str, list[int]], need_plain: bool, window: int) -> None:
+    def __init__(self, args, configs: dict[str, list[int]], text_methods: list[str], window: int) -> None:
         from vllm_sekv.serving import LocalServer
 
         self.model = args.model
-        common = ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                  "--enable-prompt-tokens-details", "--max-num-seqs", "4", *args.server_args.split()]
+        common = ["--dtype", args.dtype, "--enable-prompt-tokens-details", "--max-num-seqs", "4",
+                  *args.server_args.split()]
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
         if args.enforce_eager:
             common.append("--enforce-eager")
         log_dir = Path(args.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers: dict[str, LocalServer] = {}
-        if need_plain:
-            self.servers["plain"] = LocalServer(args.model, None, ["--max-model-len", str(window), *common], env,
-                                                log_path=log_dir / "plain.log")
+        for name in text_methods:
+            util = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            self.servers[f"plain-{name}"] = LocalServer(args.model, None, ["--max-model-len", str(window), *util,
+                                                                           *common], env,
+                                                        log_path=log_dir / f"plain-{name}.log")
         longest = max(args.lengths) + 4096
         for name, budgets in configs.items():
             extra = {**SEKV_CONFIGS[name], "view_tokens": max(budgets), "host_bytes": args.host_bytes}
+            util = ["--gpu-memory-utilization", str(sekv_memory_utilization(args, longest))]
             self.servers[name] = LocalServer(
-                args.model, extra, ["--max-model-len", str(longest), *common],
+                args.model, extra, ["--max-model-len", str(longest), *util, *common],
                 {**env, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, log_path=log_dir / f"{name}.log")
-
     def start(self, timeout_s: float) -> None:
         errors: list[str] = []
 
@@ -218,6 +220,30 @@ def run_views(server, args, tokenizer, session: S.Session, name: str, budget: in
         emit(session, q, name, budget, r, held, view)
 
 
+_WORKER: dict = {}
+
+
+def _init_worker(model: str, code_root: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    _WORKER["tokenizer"] = AutoTokenizer.from_pretrained(model)
+    _WORKER["corpora"] = Corpora(code_root)
+
+
+def _generate(key: tuple) -> tuple[tuple, S.Session]:
+    return key, S.generate(*key, _WORKER["tokenizer"], _WORKER["corpora"])
+
+
+def generate_all(keys: list[tuple], args, cache: dict) -> None:
+    """Generate sessions `(family, length, seed)` into `cache`, on several processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = max(1, min(len(keys), (os.cpu_count() or 2) - 1, 12))
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(args.model, args.code_root)) as pool:
+        for key, session in pool.map(_generate, keys):
+            cache[key] = session
+
+
 def write_meta(out: Path, args) -> None:
     """Append this run's header (command, machine, commit, versions) to `<out>.meta.json`."""
     import datetime
@@ -266,6 +292,23 @@ def server_model(args) -> str:
     return args.model
 
 
+def sekv_memory_utilization(args, max_model_len: int) -> float:
+    """A sekv server's share of the device: the weights, 3 GiB of work space
+    and a KV cache of `max_model_len` tokens (vLLM refuses to start with less,
+    although views never hold that many); `--gpu-memory-utilization` off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return args.gpu_memory_utilization
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_bytes = max_model_len * 2 * config["num_hidden_layers"] * heads * head_dim * 2
+    weights = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
+    total = torch.cuda.get_device_properties(0).total_memory
+    return round(min(0.9, (weights + kv_bytes * 1.15 + (3 << 30)) / total), 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model folder (e.g. `vllm-sekv model prepare qwen2.5-coder-1.5b`)")
@@ -279,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="skip trials already in --out")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.06,
+                   help="each plain server's share of the device (sekv servers: sized for the longest history)")
     p.add_argument("--kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (CPU builds)")
     p.add_argument("--host-bytes", default="16G", help="each sekv server's host tier")
     p.add_argument("--server-args", default="", help="more `vllm serve` arguments, space-separated")
@@ -328,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['text'][:40]!r}", flush=True)
 
     # Each server's work, in order: its (family, length, seed) sessions, every method it serves.
-    need = [(f, L, s) for f in args.families for L in args.lengths for s in seeds]
+    need = [(f, L, s) for L in args.lengths for f in args.families for s in seeds]
     plan: dict[str, list] = {}
     for name, budget in methods:
-        server = "plain" if name in prompts.TEXT_METHODS else name
+        server = f"plain-{name}" if name in prompts.TEXT_METHODS else name
         for f, L, s in need:
             if name == "full" and L + 1024 + args.max_tokens > window:
                 continue  # the whole history does not fit the window
@@ -346,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, budget in methods:
         if name in SEKV_CONFIGS and name in plan:
             configs.setdefault(name, []).append(budget)
-    servers = Servers(args, configs, "plain" in plan, window)
+    servers = Servers(args, configs, [n for n in prompts.TEXT_METHODS if f"plain-{n}" in plan], window)
     cache: dict[tuple, S.Session] = {}
     cache_lock = threading.Lock()
 
@@ -356,8 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 cache[(f, L, s)] = S.generate(f, L, s, tokenizer, corpora)
             return cache[(f, L, s)]
 
-    for f, L, s in need:  # generate every session before the servers start
-        session_of(f, L, s)
+    generate_all(need, args, cache)  # every session, while nothing else runs
     print(f"[sessions] {len(cache)} generated", flush=True)
     failures: list[str] = []
     try:
