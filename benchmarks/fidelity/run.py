@@ -5,14 +5,16 @@
         --methods full sliding:8192 rag:8192 oracle:8192 views:8192 views:4096 \\
         --out benchmarks/results/fidelity/trials.jsonl [--resume]
 
-A method is `NAME` or `NAME:BUDGET` (view or prompt budget in tokens). Text
-methods (`full`, `sliding`, `rag`, `oracle`; `prompts.py`) run on one plain
-vLLM server whose context is the model's window; every other name is a sekv
-configuration (`SEKV_CONFIGS`), one server each, serving every budget of that
-name (each request asks for its own through `kv_transfer_params`, with a
-cache salt per budget so budgets never share a workspace). Servers start
-together and run side by side on one device, each serving one request at a
-time (different servers' requests overlap).
+A method is `NAME` or `NAME:BUDGET` (view or prompt budget in tokens). Each
+text method (`full`, `sliding`, `rag`, `oracle`; `prompts.py`) runs on a
+plain vLLM server of its own whose context is the model's window; every other
+name is a sekv configuration (`SEKV_CONFIGS`), one server each, serving every
+budget of that name (each request asks for its own through
+`kv_transfer_params`, with a cache salt per budget so budgets never share a
+workspace). Servers start one by one (vLLM sizes its cache from the memory
+free at its start) and then run side by side on one device, each serving one
+request at a time: different servers' requests overlap, so times to first
+token are measured under that load.
 
 Per session and sekv budget, the history is first sent alone (one token,
 untimed: the agent's earlier steps, which put the history in the
@@ -144,7 +146,7 @@ def answer_blocks(tokenizer, session: S.Session, q: int, block_tokens: int) -> l
 # ---------------------------------------------------------------- servers
 
 class Servers:
-    """One plain server per text method and one sekv server per configuration, started together."""
+    """One plain server per text method and one sekv server per configuration, started one by one."""
 
     def __init__(self, args, configs: dict[str, list[int]], text_methods: list[str], window: int) -> None:
         from vllm_sekv.serving import LocalServer
@@ -180,11 +182,8 @@ class Servers:
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(f"{name}: {e}")
 
-        threads = [threading.Thread(target=one, args=item) for item in self.servers.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for item in self.servers.items():  # one after the other: vLLM sizes its cache from the free memory
+            one(*item)
         if errors:
             self.stop()
             raise SystemExit("servers did not start:\n" + "\n".join(errors))
@@ -271,9 +270,11 @@ def write_meta(out: Path, args) -> None:
         vllm = "?"
     meta_path = out.with_suffix(".meta.json")
     metas = json.loads(meta_path.read_text()) if meta_path.exists() else []
-    dirty = "+changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    # A copy of the working tree without its history (the GPU machine's) names its commit in SEKV_COMMIT.
+    commit = os.environ.get("SEKV_COMMIT") or git("rev-parse", "--short", "HEAD") + (
+        "+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     metas.append({"command": "python benchmarks/fidelity/run.py " + " ".join(sys.argv[1:]),
-                  "machine": machine, "commit": git("rev-parse", "--short", "HEAD") + dirty, "vllm": vllm,
+                  "machine": machine, "commit": commit, "vllm": vllm,
                   "model": Path(args.model).name, "date": datetime.date.today().isoformat()})
     meta_path.write_text(json.dumps(metas, indent=1) + "\n")
 
