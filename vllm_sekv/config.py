@@ -146,7 +146,8 @@ class SekvConfig:
     anchor_percent: int = 6
     # Queries that score the index: the last this many new tokens (0 = all).
     probe_query_tokens: int = 64
-    # Blocks before each selected block that the view takes along with it.
+    # Neighbours on each side of each selected block that the view takes
+    # along with it (a fact cut by a block boundary comes whole).
     view_context_blocks: int = 0
     # Token-level re-rank of a probe's best candidates (0 = off): the index's
     # `rerank_blocks` highest-scoring blocks are scored again by the probe

@@ -17,16 +17,27 @@ question, its answer prefix) is always kept whole:
 Views (`views`, `meank`, `sekv...`) send the whole step to a sekv server,
 which chooses the history on its own; nothing is built here for them.
 
+Each returns a `Prompt`: the messages, and for `rag` the time its retrieval
+took, which is part of that method's time to first token.
 `evidence_in(session, q, messages)` says whether a prompt holds every
 evidence line the question needs: the ceiling of what a text method can
 answer. Pure functions of the session and the tokenizer.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from sessions import Session, render_ids
 
 PASSAGE_TOKENS = 256
 HEAD_MESSAGES = 2  # system prompt + instruction
+
+
+@dataclass
+class Prompt:
+    messages: list[dict]
+    retrieval_s: float = 0.0  # time spent choosing what to send (rag: chunking, indexing, ranking)
 
 
 def _split(session: Session, q: int) -> tuple[list[dict], list[tuple[dict, dict]], list[dict]]:
@@ -41,8 +52,8 @@ def count(tokenizer, messages: list[dict]) -> int:
     return len(render_ids(tokenizer, messages))
 
 
-def full(session: Session, q: int, tokenizer, budget: int | None = None) -> list[dict]:
-    return session.step_messages(q)
+def full(session: Session, q: int, tokenizer, budget: int | None = None) -> Prompt:
+    return Prompt(session.step_messages(q))
 
 
 def _largest_fit(build, lo: int, hi: int, tokenizer, budget: int) -> int:
@@ -70,22 +81,22 @@ def _with_partial(head, kept: list[tuple[dict, dict]], partial: tuple[dict, dict
     return head + body + tail
 
 
-def sliding(session: Session, q: int, tokenizer, budget: int) -> list[dict]:
+def sliding(session: Session, q: int, tokenizer, budget: int) -> Prompt:
     head, pairs, tail = _split(session, q)
     if count(tokenizer, head + tail) > budget:
         raise ValueError(f"budget {budget} is smaller than the head and the question")
     whole = _largest_fit(lambda n: _with_partial(head, pairs[len(pairs) - n:], None, 0, tail),
                          0, len(pairs), tokenizer, budget)
     if whole == len(pairs):
-        return _with_partial(head, pairs, None, 0, tail)
+        return Prompt(_with_partial(head, pairs, None, 0, tail))
     older = pairs[len(pairs) - whole - 1]
     num_lines = len(older[1]["content"].split("\n"))
     lines = _largest_fit(lambda n: _with_partial(head, pairs[len(pairs) - whole:], older, n, tail),
                          0, num_lines, tokenizer, budget)
-    return _with_partial(head, pairs[len(pairs) - whole:], older, max(lines, 0), tail)
+    return Prompt(_with_partial(head, pairs[len(pairs) - whole:], older, max(lines, 0), tail))
 
 
-def oracle(session: Session, q: int, tokenizer, budget: int) -> list[dict]:
+def oracle(session: Session, q: int, tokenizer, budget: int) -> Prompt:
     head, pairs, tail = _split(session, q)
     evidence = session.questions[q].evidence
     gold = [i for i, (_, result) in enumerate(pairs) if any(e in result["content"] for e in evidence)]
@@ -98,7 +109,7 @@ def oracle(session: Session, q: int, tokenizer, budget: int) -> list[dict]:
     n = _largest_fit(build, 0, len(others), tokenizer, budget)
     if n < 0:
         raise ValueError(f"budget {budget} cannot hold the evidence turns of {session.id} question {q}")
-    return build(n)
+    return Prompt(build(n))
 
 
 def _passages(tokenizer, pairs: list[tuple[dict, dict]]) -> list[tuple[int, int, str]]:
@@ -118,10 +129,11 @@ def _passages(tokenizer, pairs: list[tuple[dict, dict]]) -> list[tuple[int, int,
     return out
 
 
-def rag(session: Session, q: int, tokenizer, budget: int) -> list[dict]:
+def rag(session: Session, q: int, tokenizer, budget: int) -> Prompt:
     import bm25s
 
     head, pairs, tail = _split(session, q)
+    t0 = time.perf_counter()
     passages = _passages(tokenizer, pairs)
     retriever = bm25s.BM25()
     retriever.index(bm25s.tokenize([p[2] for p in passages], stopwords="en", show_progress=False),
@@ -129,6 +141,7 @@ def rag(session: Session, q: int, tokenizer, budget: int) -> list[dict]:
     query = bm25s.tokenize([session.questions[q].text], stopwords="en", show_progress=False)
     order, _ = retriever.retrieve(query, k=len(passages), show_progress=False)
     ranked = [int(i) for i in order[0]]
+    retrieval_s = time.perf_counter() - t0
 
     def build(n: int) -> list[dict]:
         chosen = sorted(ranked[:n])  # original order
@@ -141,7 +154,7 @@ def rag(session: Session, q: int, tokenizer, budget: int) -> list[dict]:
         return head + body + tail
 
     n = _largest_fit(build, 0, len(ranked), tokenizer, budget)
-    return build(max(n, 0))
+    return Prompt(build(max(n, 0)), retrieval_s)
 
 
 TEXT_METHODS = {"full": full, "sliding": sliding, "rag": rag, "oracle": oracle}

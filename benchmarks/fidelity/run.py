@@ -22,7 +22,8 @@ workspace); then each question is one step. Every step runs after vLLM's
 prefix cache was reset, non-streamed, greedy, `--max-tokens` tokens. Its time
 to first token is vLLM's own (the change of
 `vllm:time_to_first_token_seconds_sum`, from the request's arrival to its
-first token), its bytes moved the change of `vllm:sekv_restored_bytes_total`.
+first token; `rag` adds its retrieval), its bytes moved the change of
+`vllm:sekv_restored_bytes_total`.
 One JSON line per trial goes to `--out` as it finishes; `--resume` skips the
 trials already there. `report.py` turns the lines into the report.
 """
@@ -49,12 +50,14 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views": {},
     "views-rerank": {"rerank_blocks": 1024},
     "views-q16": {"probe_query_tokens": 16},
+    "views-rerank-ctx1": {"rerank_blocks": 1024, "view_context_blocks": 1},
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},
     "sekv-lr16": {"surprisal": "on", "coarse": "on", "restore_codec": "lowrank(16)"},
 }
 TTFT = "vllm:time_to_first_token_seconds"
+LINE_TOKENS = 64  # evidence this short must be in a view whole
 RESTORED_BYTES = "vllm:sekv_restored_bytes_total"
 
 
@@ -117,9 +120,11 @@ def method_label(name: str, budget: int | None) -> str:
 
 
 def answer_blocks(tokenizer, session: S.Session, q: int, block_tokens: int) -> list[int] | None:
-    """The blocks (of `block_tokens`) of the step's prompt that hold the
-    question's answer: per evidence string, the answer's occurrence in it if
-    it has one, else the whole string. None if the rendered text does not
+    """The blocks (of `block_tokens`) of the step's prompt that a view must
+    hold for the question's answer: every block of an evidence string of at
+    most `LINE_TOKENS` tokens (a fact's line: the name and its value), else
+    those of the answer's occurrence in it (a paragraph, a file), or of the
+    whole string if it has none. None if the rendered text does not
     tokenize to the prompt's ids."""
     messages = session.step_messages(q)
     text = S.render_text(tokenizer, messages)
@@ -128,18 +133,23 @@ def answer_blocks(tokenizer, session: S.Session, q: int, block_tokens: int) -> l
         return None
     offsets = enc["offset_mapping"]
     question = session.questions[q]
+
+    def tokens(lo: int, hi: int) -> list[int]:
+        return [i for i, (a, b) in enumerate(offsets) if a < hi and b > lo]
+
     blocks: set[int] = set()
     for evidence in question.evidence:
         start = text.find(evidence)
         if start < 0:
             return None
-        lo, hi = start, start + len(evidence)
-        for answer in question.answers:
-            at = evidence.find(answer.strip("'\""))
-            if at >= 0:
-                lo, hi = start + at, start + at + len(answer.strip("'\""))
-                break
-        blocks |= {i // block_tokens for i, (a, b) in enumerate(offsets) if a < hi and b > lo}
+        span = tokens(start, start + len(evidence))
+        if len(span) > LINE_TOKENS:
+            for answer in question.answers:
+                at = evidence.find(answer.strip("'\""))
+                if at >= 0:
+                    span = tokens(start + at, start + at + len(answer.strip("'\"")))
+                    break
+        blocks |= {i // block_tokens for i in span}
     return sorted(blocks)
 
 
@@ -197,10 +207,12 @@ class Servers:
 
 def run_text(server, args, tokenizer, session: S.Session, name: str, budget: int | None, emit) -> None:
     for q in range(len(session.questions)):
-        messages = prompts.TEXT_METHODS[name](session, q, tokenizer, budget)
+        prompt = prompts.TEXT_METHODS[name](session, q, tokenizer, budget)
         post(server.url, "/reset_prefix_cache")
-        r = chat(server.url, server_model(args), messages, args.max_tokens, {})
-        emit(session, q, name, budget, r, prompts.evidence_in(session, q, messages), None)
+        r = chat(server.url, server_model(args), prompt.messages, args.max_tokens, {})
+        if r["ttft_s"] is not None:  # choosing what to send is part of the step
+            r["ttft_s"] += prompt.retrieval_s
+        emit(session, q, name, budget, r, prompts.evidence_in(session, q, prompt.messages), None)
 
 
 def run_views(server, args, tokenizer, session: S.Session, name: str, budget: int, emit) -> None:
@@ -216,6 +228,7 @@ def run_views(server, args, tokenizer, session: S.Session, name: str, budget: in
         else:
             blocks = answer_blocks(tokenizer, session, q, view["block_tokens"])
             held = None if blocks is None else set(blocks) <= set(view["selected_blocks"])
+            view = {**view, "answer_blocks": blocks}
         emit(session, q, name, budget, r, held, view)
 
 
@@ -331,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code-root", default=None, help="standard-library copy for the code family")
     p.add_argument("--log-dir", default="/tmp/sekv_fidelity_logs")
     p.add_argument("--start-timeout-s", type=float, default=900)
+    p.add_argument("--sequential", action="store_true",
+                   help="one server's trials at a time (times to first token without the others' load)")
     args = p.parse_args(argv)
     args.families = args.families.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -360,11 +375,14 @@ def main(argv: list[str] | None = None) -> int:
                "question": q, "method": method_label(name, budget), "method_name": name, "budget": budget,
                "correct": S.is_correct(question, r["text"]), "answer": question.answers[0], "response": r["text"],
                "answer_in_view": held, "prompt_tokens": r["usage"]["prompt_tokens"], "ttft_s": r["ttft_s"],
-               "seconds": round(r["seconds"], 4), "bytes_moved": r["bytes_moved"], "depth": round(question.depth, 3)}
+               "seconds": round(r["seconds"], 4), "bytes_moved": r["bytes_moved"], "depth": round(question.depth, 3),
+               "servers_alone": args.sequential}
         if view is not None:
             row["view_tokens"] = view.get("view_tokens")
             row["view_passes"] = view.get("passes")
             row["restored_tokens"] = (r["sekv"] or {}).get("restored_tokens")
+            row["selected_blocks"] = view.get("selected_blocks")
+            row["answer_blocks"] = view.get("answer_blocks")
         with lock:
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -426,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         threads = [threading.Thread(target=work, args=(name,)) for name in plan]
         for t in threads:
             t.start()
+            if args.sequential:
+                t.join()
         for t in threads:
             t.join()
     finally:

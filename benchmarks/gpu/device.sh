@@ -10,7 +10,8 @@
 #                   /tmp/parts in the background (it outlives the call; log in
 #                   /tmp/convert.log), while later calls carry the rest
 #   setup           unpack vLLM 0.26, install this project, prepare SmolLM2
-#   tests           the CUDA unit tests, then the engine tests on Qwen and SmolLM2
+#   tests           the CUDA unit tests, then Qwen's engine and serve tests
+#   engine          SmolLM2's engine tests
 #   fidelity ARGS   start benchmarks/fidelity/run.py on Qwen in the background
 #   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT
 #
@@ -61,17 +62,20 @@ case $step in
     python3 -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
     vllm-sekv model prepare smollm2 --no-install >> "$OUT/setup.log" 2>&1 || { echo "smollm2 failed"; tail "$OUT/setup.log"; }
     log "setup done; Qwen conversion: $(cat /tmp/convert.log 2>/dev/null | tail -1)" ;;
-  tests)
+  tests)  # the CUDA unit tests, then Qwen's engine and serve tests (once its conversion is done)
     nvidia-smi > "$OUT/nvidia_smi.txt" 2>&1
     run cuda_unit 200 pytest -q -rs -p no:cacheprovider tests/connector/test_device_reports.py \
       tests/connector/test_device_restores.py tests/connector/test_full_graph_steps.py \
       tests/connector/test_head_start.py tests/connector/test_rerank.py tests/store/test_capture.py \
       tests/store/test_host_pool.py tests/store/test_layerwise.py tests/triton_kernels/test_gather.py \
       tests/triton_kernels/test_rotate.py tests/gpu/test_cuda_index.py
-    for _ in $(seq 300); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
+    for _ in $(seq 200); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
     cp /tmp/convert.log "$OUT/convert.log" 2>/dev/null
-    run gpu_engine 560 pytest -q -rs -p no:cacheprovider tests/gpu/test_cuda_qwen.py tests/gpu/test_cuda_engine.py
+    run qwen_engine 330 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_qwen.py
     log "tests done" ;;
+  engine)  # SmolLM2's engine tests: greedy equality with layerwise, batched and CUDA-graph restores
+    run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py
+    log "engine tests done" ;;
   fidelity)  # start the evaluation in the background: it outlives the call, `wait` follows it
     for _ in $(seq 300); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
     mkdir -p /tmp/fid

@@ -173,3 +173,20 @@ def test_planner_restores_anchor_tokens_at_their_view_positions():
     assert restore.rope_deltas[10] == 10 - 16 * BT and restore.rope_deltas[0] == 0
     # the new tokens still go to their virtual positions 200..202
     assert np.array_equal(plan.capture_rope_deltas, [200 - 82] * 3)
+
+
+def test_context_blocks_bring_a_selected_blocks_neighbours_on_both_sides():
+    prompt = list(range(1000, 1000 + 203))
+    probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)  # 8 blocks of room
+    scores = [0.0] * len(probe.candidates)
+    for block, score in ((10, 3.0), (1, 2.0), (17, 1.0)):
+        scores[block - 1] = score
+    final = final_pass(probe, scores, BUDGET, context_blocks=1)
+    # 10 and its neighbours, then 1 (0 is the sink, not a candidate) and 2, then 17, 16 and 18
+    assert final.history_blocks == (0, 1, 2, 9, 10, 11, 16, 17, 18, 23, 24)
+    # Where the room ends, a block comes before its neighbours.
+    tight = ViewBudget(block_tokens=8, view_tokens=64, sink_tokens=8, recent_tokens=16)  # 4 blocks of room
+    probe = first_pass(len(prompt), matched_blocks=25, budget=tight)
+    scores = [0.0] * len(probe.candidates)
+    scores[10 - 1], scores[20 - 1] = 3.0, 2.0
+    assert final_pass(probe, scores, tight, context_blocks=1).history_blocks == (0, 9, 10, 11, 20, 23, 24)

@@ -172,8 +172,9 @@ def final_pass(
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
     `probe.candidates[i]`; ties go to the later (more recent) block. With
-    `context_blocks` > 0, each chosen block brings that many blocks before it
-    (a fact often starts in the block before the one that scores).
+    `context_blocks` > 0, each chosen block brings that many blocks on each
+    side, as far as the room goes (a fact cut by a block boundary: its name
+    in one block, its value in the next, and only one of them scores).
 
     `anchors`: virtual positions of history anchor tokens, most important
     first. Those outside the view's blocks, at most `anchor_tokens` of them,
@@ -199,7 +200,7 @@ def final_pass(
     chosen: set[int] = set()
     for i in ranked:
         block = probe.candidates[i]
-        for b in range(block - context_blocks, block + 1):
+        for b in (block, *range(block - context_blocks, block), *range(block + 1, block + context_blocks + 1)):
             if len(chosen) < room and b in candidates:
                 chosen.add(b)
         if len(chosen) >= room:
