@@ -226,3 +226,41 @@ def extend(tokens, salt=""):
     from vllm_sekv.workspace.hashing import extend_block_hashes
 
     return extend_block_hashes([], tokens, BT, salt)
+
+
+def test_a_request_id_used_again_never_inherits_the_finished_requests_kv():
+    """Request ids are the client's to choose when vLLM does not randomize
+    them: tenant B sending another prompt as `r` after tenant A's `r`
+    finished gets a state of its own, never A's hashes or KV."""
+    eng = Engine()
+    prefill_and_finish(eng, "r", list(range(1, 41)), salt="tenant-a")
+    assert eng.catalog.num_committed == 5
+    assert eng.admit("r", list(range(500, 540)), salt="tenant-b") == 0
+    assert eng.planner.requests["r"].salt == "tenant-b"
+    # Even the same prompt under another salt restores nothing of A's.
+    prefill_and_finish(eng, "s", list(range(1, 41)), salt="tenant-a")
+    assert eng.admit("s", list(range(1, 41)) + [9] * 8, salt="tenant-b") == 0
+    # The same tenant repeating the id with a longer prompt finds its history as any request would.
+    assert eng.admit("r2", list(range(1, 41)) + [5] * 8, salt="tenant-a") == 40
+
+
+def test_a_request_id_used_again_before_the_last_ones_captures_are_confirmed_mixes_nothing():
+    """Under asynchronous scheduling a finished request's captures wait for
+    the worker's confirmation; a new request under the same id (another
+    tenant, another prompt) must neither take those reservations nor have
+    its KV committed under the finished request's block hashes."""
+    eng = Engine()
+    a = list(range(1, 41))
+    eng.admit("r", a, salt="tenant-a")
+    plan = eng.planner.plan_step({"r": (0, 40)}, eng.tokens_of)  # A's step, not yet confirmed
+    eng.planner.finish("r", a, 40)
+    eng.admit("r", list(range(900, 940)), salt="tenant-b")
+    b_plan = eng.planner.plan_step({"r": (0, 40)}, eng.tokens_of)
+    assert not set(b_plan.capture_host_rows.tolist()) & set(plan.capture_host_rows.tolist())
+    eng.planner.confirm(b_plan.step_id, set(), eng.tokens_of)  # both steps confirmed
+    eng.planner.finish("r", eng.tokens["r"], 40)
+    eng.run({})
+    # Tenant A's history restores from A's own captures, B's from B's.
+    assert eng.admit("a2", a + [1] * 8, salt="tenant-a") == 40
+    a_rows = eng.run({"a2": (40, 8)}).restores[0].host_rows
+    assert set(a_rows.tolist()) == set(plan.capture_host_rows.tolist())

@@ -48,12 +48,19 @@ from vllm_sekv.workspace.views import PassKind, ViewPass
 TokenSource = Callable[[str], Sequence[int]]
 
 
+def _prompt_key(prompt: Sequence[int], salt: str, session_id: str | None, block_tokens: int) -> tuple:
+    """What tells one request's prompt from another's under the same id (cheap:
+    its tenant, session, length and first and last block)."""
+    return (salt, session_id, len(prompt), tuple(prompt[:block_tokens]), tuple(prompt[-block_tokens:]))
+
+
 @dataclass
 class RequestState:
     req_id: str
     salt: str
     session_id: str | None
     num_prompt_tokens: int
+    key: tuple = ()  # `_prompt_key` of the prompt it was created for
     hashes: list[bytes] = field(default_factory=list)  # of full blocks known so far
     paged_block_ids: list[int] = field(default_factory=list)
     matched: list[BlockRecord] = field(default_factory=list)  # restorable blocks from ...
@@ -107,7 +114,9 @@ class WorkspacePlanner:
         self.block_tokens = block_tokens
         self.paged_block_size = paged_block_size
         self.min_restore_tokens = min_restore_tokens
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # live requests by id
+        # Finished requests whose captures or restores the worker has yet to confirm.
+        self._retired: list[RequestState] = []
         # A session's next prompt repeats its last one: reuse those block hashes.
         self._prompt_hashes = PrefixHashMemo(block_tokens)
         self._next_step = 0
@@ -133,11 +142,7 @@ class WorkspacePlanner:
     ) -> int | None:
         """Tokens beyond `local_tokens` (vLLM's own hit) the workspace can
         restore, or None while blocks of the match are being read from NVMe."""
-        st = self.requests.get(req_id)
-        if st is None:
-            st = self.requests[req_id] = RequestState(
-                req_id, salt, session_id, len(prompt_token_ids)
-            )
+        st = self._state(req_id, prompt_token_ids, salt, session_id)
         self._hash_prompt(st, prompt_token_ids)
         bt = self.block_tokens
         first = local_tokens // bt
@@ -224,11 +229,7 @@ class WorkspacePlanner:
     ) -> int | None:
         """Leading blocks of the prompt that the workspace holds, all pinned for
         the request's views; None while blocks of them are read from NVMe."""
-        st = self.requests.get(req_id)
-        if st is None:
-            st = self.requests[req_id] = RequestState(
-                req_id, salt, session_id, len(prompt_token_ids)
-            )
+        st = self._state(req_id, prompt_token_ids, salt, session_id)
         self._hash_prompt(st, prompt_token_ids)
         self.catalog.unpin(st.waiting_pins + st.view_pins)
         st.waiting_pins, st.view_pins = [], []
@@ -241,6 +242,34 @@ class WorkspacePlanner:
         st.matched, st.match_first_block = held[:usable], 0
         st.view_pins = st.matched
         return usable
+
+    def _state(self, req_id: str, prompt_token_ids: Sequence[int], salt: str,
+               session_id: str | None) -> RequestState:
+        """The live request's state, or a new one. Request ids are the
+        client's to choose (vLLM can be told not to randomize them): a state
+        is only ever reused for the same live request, never for a later one
+        that repeats the id, with another tenant's salt or another prompt."""
+        key = _prompt_key(prompt_token_ids, salt, session_id, self.block_tokens)
+        st = self.requests.get(req_id)
+        if st is not None and st.key == key and not st.finished:
+            return st
+        if st is not None:
+            self._retire(st)
+        st = self.requests[req_id] = RequestState(req_id, salt, session_id, len(prompt_token_ids), key=key)
+        return st
+
+    def _retire(self, st: RequestState) -> None:
+        """Take `st` out of the live requests; captures it still waits for
+        complete (or are released) as the worker confirms them."""
+        if self.requests.get(st.req_id) is st:
+            del self.requests[st.req_id]
+        if not st.finished:  # a live request's id taken over: its work is void
+            self._release_captures(st)
+            self.catalog.unpin(st.waiting_pins + st.view_pins)
+            st.waiting_pins, st.view_pins = [], []
+            st.finished = True
+        if st.captures or st.restore_pins:
+            self._retired.append(st)
 
     def _hash_prompt(self, st: RequestState, prompt_token_ids: Sequence[int]) -> None:
         """`st.hashes` cover every full block of the prompt (hashed once per
@@ -485,7 +514,7 @@ class WorkspacePlanner:
 
     def confirm(self, step_id: int, failed_slots: set[int], tokens_of: TokenSource) -> None:
         """The worker finished `step_id` (and every step before it)."""
-        for st in list(self.requests.values()):
+        for st in [*self.requests.values(), *self._retired]:
             for done in [s for s in st.restore_pins if 0 <= s <= step_id]:
                 self.catalog.unpin(st.restore_pins.pop(done))
             for b, rec in list(st.captures.items()):
@@ -499,7 +528,7 @@ class WorkspacePlanner:
     def commit_ready(self, tokens_of: TokenSource) -> None:
         confirmed = self._confirmed_step
         bt = self.block_tokens
-        for st in list(self.requests.values()):
+        for st in [*self.requests.values(), *self._retired]:
             for b, rec in sorted(st.captures.items()):
                 if rec.captured_tokens < bt or rec.last_capture_step > confirmed:
                     continue
@@ -513,8 +542,7 @@ class WorkspacePlanner:
                     if rec.nvme is NvmeState.WRITING:
                         self._write_queue.append((rec.host_slot, rec.block_hash, rec.start_token))
                         self._io_pending[("write", rec.block_hash)] = self.world_size
-            if st.finished and not st.captures and not st.restore_pins and not st.waiting_pins:
-                del self.requests[st.req_id]
+        self._retired = [st for st in self._retired if st.captures or st.restore_pins]
 
     def _release_captures(self, st: RequestState, complete_blocks: int | None = None) -> None:
         """Drop captures that cannot complete: all of them, or those of blocks
@@ -550,6 +578,7 @@ class WorkspacePlanner:
         self._release_captures(st, complete_blocks=len(st.hashes))
         if st.session_id is not None:
             self.sessions.record(st.salt, st.session_id, st.hashes, num_computed_tokens)
+        self._retire(st)
         return st
 
     def nvme_done(self, completions: Sequence[tuple[str, bytes, bool]]) -> None:
