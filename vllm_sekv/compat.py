@@ -7,6 +7,7 @@ a new vLLM version means editing this file only.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,10 @@ from vllm_sekv.ops import RopeSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from vllm_sekv.request_params import RequestParams
+
+logger = logging.getLogger("vllm_sekv")
 
 
 # ----------------------------------------------------------------- registration
@@ -200,48 +205,49 @@ def kv_cache_block_size(vllm_config: "VllmConfig") -> int:
 # ------------------------------------------------------------------ requests
 
 
-def request_session_id(request: Any) -> str | None:
-    """The client's session name: vLLM's `session_id` field (0.32+), else
-    `kv_transfer_params["session_id"]` or `vllm_xargs` (`extra_args`) on 0.26."""
-    sid = getattr(request, "session_id", None)
-    if sid:
-        return str(sid)
-    params = getattr(request, "kv_transfer_params", None) or {}
-    if params.get("session_id"):
-        return str(params["session_id"])
+def request_params(request: Any) -> "RequestParams":
+    """A request's own sekv parameters (`request_params.parse`): vLLM's
+    `session_id` field (0.32+), `kv_transfer_params` and `vllm_xargs`
+    (`sampling_params.extra_args`). Invalid ones were refused at the API
+    (`install_request_validation`); one that reaches the engine core anyway
+    (it cannot refuse a request) is logged and the server's settings apply."""
+    from vllm_sekv.request_params import RequestParamError, RequestParams, parse
+
     sampling = getattr(request, "sampling_params", None)
     extra = getattr(sampling, "extra_args", None) or {}
-    if extra.get("session_id"):
-        return str(extra["session_id"])
-    return None
+    try:
+        return parse(getattr(request, "kv_transfer_params", None), extra, getattr(request, "session_id", None))
+    except RequestParamError as e:
+        logger.warning("sekv: request %s: %s; the server's settings apply", getattr(request, "request_id", "?"), e)
+        return RequestParams()
 
 
-def request_view_tokens(request: Any) -> int | None:
-    """A request's own view budget: `kv_transfer_params["view_tokens"]` (or
-    `vllm_xargs`). Raises ValueError on a value that is not a positive integer
-    (the caller decides what to do: the engine core must not die of it)."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    sampling = getattr(request, "sampling_params", None)
-    extra = getattr(sampling, "extra_args", None) or {}
-    value = params.get("view_tokens", extra.get("view_tokens"))
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"sekv: 'view_tokens' of a request must be a positive integer, got {value!r}")
-    return value
+def install_request_validation(connector_name: str, check: Any) -> None:
+    """Refuse a request whose sekv parameters are invalid before it reaches
+    the engine: wraps `InputProcessor.process_inputs` (once per process; the
+    OpenAI server answers vLLM's `VLLMValidationError` with an HTTP 400; in 0.26
+    it is a ValueError, in 0.32 a client error: both pass through unwrapped).
+    `check(vllm_config, kv_transfer_params, extra_args, session_id)` raises;
+    it runs only for servers whose KV connector is `connector_name`."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
 
+    original = InputProcessor.process_inputs
+    if getattr(original, "_sekv_wrapped", False):
+        return
 
-def request_coarse(request: Any) -> bool | None:
-    """A request's own SeKV coarse-attention switch: `kv_transfer_params["coarse"]`
-    (or `vllm_xargs`), None when it gives none. Raises ValueError on a value
-    that is not a boolean."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    sampling = getattr(request, "sampling_params", None)
-    extra = getattr(sampling, "extra_args", None) or {}
-    value = params.get("coarse", extra.get("coarse"))
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"sekv: 'coarse' of a request must be true or false, got {value!r}")
-    return value
+    def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        ktc = self.vllm_config.kv_transfer_config
+        if ktc is not None and ktc.kv_connector == connector_name:
+            extra = getattr(params, "extra_args", None) or {}
+            try:
+                check(self.vllm_config, extra.get("kv_transfer_params"), extra, kwargs.get("session_id"))
+            except ValueError as e:  # vLLM answers its own validation error with an HTTP 400
+                raise VLLMValidationError(str(e)) from None
+        return original(self, request_id, prompt, params, *args, **kwargs)
+
+    process_inputs._sekv_wrapped = True  # type: ignore[attr-defined]
+    InputProcessor.process_inputs = process_inputs
 
 
 def request_cache_salt(request: Any) -> str:

@@ -9,7 +9,8 @@ What it switches on: the `sekv` KV connector (used when the user passes
 `--kv-transfer-config '{"kv_connector":"sekv",...}'`), the attention hook
 (a wrapper around the platform's attention backend that captures K/V and
 shows queries to the connector; it does nothing unless the sekv connector is
-active) and, with the same flag, the sekv scheduler (execution views).
+active), with the same flag, the sekv scheduler (execution views), and the
+check of every request's sekv parameters (a bad one gets an HTTP 400).
 """
 from __future__ import annotations
 
@@ -27,4 +28,21 @@ def register() -> None:
     compat.register_connector(CONNECTOR_NAME, "vllm_sekv.connector", "SekvConnector")
     compat.register_attention_hook()
     compat.install_scheduler_default(CONNECTOR_NAME)
+    compat.install_request_validation(CONNECTOR_NAME, _check_request)
     _registered = True
+
+
+_limits: dict[int, tuple] = {}  # id(vllm_config) -> (config, window): parsed once per server
+
+
+def _check_request(vllm_config, kv_transfer_params, extra_args, session_id) -> None:
+    """The API side's check of a request's sekv parameters (an HTTP 400 on failure)."""
+    from vllm_sekv import compat
+    from vllm_sekv.config import SekvConfig
+    from vllm_sekv.request_params import check
+
+    key = id(vllm_config)
+    if key not in _limits:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        _limits[key] = (SekvConfig.from_sources(extra), compat.native_window_tokens(vllm_config))
+    check(*_limits[key], kv_transfer_params, extra_args, session_id)

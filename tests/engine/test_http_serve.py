@@ -49,23 +49,41 @@ def chat_session(url, model, essay, extra=None):
     return steps
 
 
+BAD_REQUESTS = {  # name -> extra body fields of a chat request
+    "max_tokens": {"max_tokens": -5},  # vLLM's own check
+    "view_tokens": {"kv_transfer_params": {"view_tokens": "many"}},
+    "tiny_view": {"kv_transfer_params": {"view_tokens": 8}},
+    "coarse": {"kv_transfer_params": {"coarse": "yes"}},
+    "unknown_key": {"kv_transfer_params": {"view_token": 2048}},
+    "xargs": {"vllm_xargs": {"view_tokens": -1}},
+}
+BAD_REQUESTS_FIELD = {"max_tokens": "max_tokens", "view_tokens": "kv_transfer_params.view_tokens",
+                      "tiny_view": "kv_transfer_params.view_tokens", "coarse": "kv_transfer_params.coarse",
+                      "unknown_key": "'view_token'", "xargs": "vllm_xargs.view_tokens"}
+
+
+def refusal(url, model, extra):
+    """(HTTP status, error message) of a chat request with `extra` fields."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    try:
+        post(url, "/v1/chat/completions", body)
+        return 200, ""
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
 @pytest.fixture(scope="module")
 def sessions(model_dir, essay):
     with LocalServer(model_dir, sekv={}, vllm_args=VLLM_ARGS, env=ENV) as server:
         sekv = chat_session(server.url, model_dir, essay, {"kv_transfer_params": {"view_tokens": 8192}})
-        # A malformed request is refused with a clear error and loses nothing stored.
-        try:
-            post(server.url, "/v1/chat/completions",
-                 {"model": model_dir, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5})
-            bad_status = 200
-        except urllib.error.HTTPError as e:
-            bad_status = e.code
+        # Malformed requests are refused with a clear error and lose nothing stored.
+        bad = {name: refusal(server.url, model_dir, body) for name, body in BAD_REQUESTS.items()}
         again = chat_session(server.url, model_dir, essay)
         with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
             metrics = r.read().decode()
     with LocalServer(model_dir, sekv=None, vllm_args=VLLM_ARGS, env=ENV) as server:
         plain = chat_session(server.url, model_dir, essay)
-    return plain, sekv, bad_status, again, metrics
+    return plain, sekv, bad, again, metrics
 
 
 def test_answers_equal_plain_vllm(sessions):
@@ -90,8 +108,10 @@ def test_history_is_restored_not_prefilled(sessions):
 
 
 def test_bad_request_gets_a_clear_error_and_loses_nothing(sessions):
-    _, sekv, bad_status, again, _ = sessions
-    assert bad_status == 400
+    _, sekv, bad, again, _ = sessions
+    for name, (status, message) in bad.items():
+        assert status == 400, (name, status, message)
+        assert BAD_REQUESTS_FIELD[name] in message, (name, message)
     # The repeated session finds its whole history, first step included.
     assert again[0]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] > 0
     for first, second in zip(sekv, again):

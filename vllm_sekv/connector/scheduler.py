@@ -146,7 +146,7 @@ class SekvSchedulerSide:
             request.request_id,
             request.prompt_token_ids or (),
             compat.request_cache_salt(request),
-            compat.request_session_id(request),
+            compat.request_params(request).session_id,
             num_computed_tokens,
         )
         if ext and request.request_id not in self._matches_offered and head_start.has_worker(self._engine_id):

@@ -106,34 +106,22 @@ class ViewCoordinator:
         tokens = max(min(view, room) // bt * bt, least)
         return ViewBudget(bt, tokens, cfg.sink_tokens, cfg.recent_tokens)
 
-    def _budget_of(self, request: Any, warn: bool) -> ViewBudget:
-        try:
-            own = compat.request_view_tokens(request)
-        except ValueError as e:  # the engine core cannot reject a request: say so, go on
-            if warn:
-                logger.warning("%s (request %s); the server's view budget applies", e, request.request_id)
-            own = None
-        return self.budget_for(request.max_tokens, own)
-
     def serves_from_views(self, request: Any) -> bool:
         """Whether `admit` will make `request` a view job: its prompt exceeds its budget."""
-        return len(request.prompt_token_ids or ()) > self._budget_of(request, warn=False).view_tokens
+        budget = self.budget_for(request.max_tokens, compat.request_params(request).view_tokens)
+        return len(request.prompt_token_ids or ()) > budget.view_tokens
 
     def admit(self, request: Any) -> bool:
         """Make `request` a view job if its prompt exceeds its budget; either
         way keep its generation inside the model's window."""
         prompt = list(request.prompt_token_ids or ())
-        budget = self._budget_of(request, warn=True)
+        params = compat.request_params(request)
+        budget = self.budget_for(request.max_tokens, params.view_tokens)
         if len(prompt) <= budget.view_tokens:
             compat.clamp_max_tokens(request, self.window_tokens - len(prompt))
             return False
-        job = ViewJob(request.request_id, prompt, compat.request_cache_salt(request),
-                      compat.request_session_id(request), budget)
-        job.coarse = self.config.coarse == "on"
-        try:
-            job.coarse = job.coarse and compat.request_coarse(request) is not False
-        except ValueError as e:
-            logger.warning("%s (request %s); the server's setting applies", e, request.request_id)
+        job = ViewJob(request.request_id, prompt, compat.request_cache_salt(request), params.session_id, budget)
+        job.coarse = self.config.coarse == "on" and params.coarse is not False
         self.jobs[job.req_id] = job
         # Until its first pass is chosen the request must not hit vLLM's
         # prefix cache under its real tokens.

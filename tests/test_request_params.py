@@ -1,0 +1,47 @@
+"""A request's own sekv parameters: what is accepted, and the errors that
+name the field (the API answers them with an HTTP 400; see
+tests/engine/test_http_serve.py for the server side)."""
+import pytest
+
+from vllm_sekv.config import SekvConfig
+from vllm_sekv.request_params import (
+    MAX_SESSION_ID_CHARS, RequestParamError, RequestParams, ViewLimits, check, parse, view_limits,
+)
+
+LIMITS = ViewLimits(least=384, most=8192)
+
+
+def test_valid_parameters_from_each_place():
+    assert parse(None) == RequestParams()
+    assert parse({"session_id": "a", "view_tokens": 4096, "coarse": False}, limits=LIMITS) == \
+        RequestParams("a", 4096, False)
+    assert parse({}, {"session_id": "x", "view_tokens": 1024, "other_plugin": 1}) == RequestParams("x", 1024)
+    # vLLM's own session_id field comes first
+    assert parse({"session_id": "params"}, {}, "field").session_id == "field"
+
+
+@pytest.mark.parametrize("params, extra, session_id, field", [
+    ({"view_tokens": "abc"}, None, None, "kv_transfer_params.view_tokens"),
+    ({"view_tokens": True}, None, None, "kv_transfer_params.view_tokens"),
+    ({"view_tokens": 8}, None, None, "kv_transfer_params.view_tokens"),  # tiny: no room for history
+    ({"view_tokens": 100000}, None, None, "kv_transfer_params.view_tokens"),  # beyond the server's budget
+    ({}, {"view_tokens": -3}, None, "vllm_xargs.view_tokens"),
+    ({"coarse": "yes"}, None, None, "kv_transfer_params.coarse"),
+    ({"session_id": ""}, None, None, "kv_transfer_params.session_id"),
+    ({"session_id": 7}, None, None, "kv_transfer_params.session_id"),
+    ({}, None, "s" * (MAX_SESSION_ID_CHARS + 1), "session_id"),
+    ({"sesion_id": "typo"}, None, None, "kv_transfer_params: unknown key"),
+    ([1, 2], None, None, "kv_transfer_params: expected an object"),
+])
+def test_invalid_parameters_name_their_field(params, extra, session_id, field):
+    with pytest.raises(RequestParamError) as e:
+        parse(params, extra, session_id, LIMITS)
+    assert str(e.value).startswith(field)
+
+
+def test_the_servers_limits_come_from_its_config_and_the_models_window():
+    config = SekvConfig(view_tokens=4096)
+    assert view_limits(config, 32768) == ViewLimits(64 + 256 + 64, 4096)
+    assert view_limits(SekvConfig(), 8192).most == 8192  # view_tokens 0: the window
+    with pytest.raises(RequestParamError, match="384 to 4096"):
+        check(config, 32768, {"view_tokens": 8192}, None, None)

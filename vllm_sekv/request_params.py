@@ -1,0 +1,99 @@
+"""A request's own sekv settings, as clients send them, checked.
+
+Clients name a session and may ask for their own view budget or turn SeKV
+coarse attention off for one request, in `kv_transfer_params` (or
+`vllm_xargs`, vLLM's `extra_args`), and on vLLM 0.32 in its own `session_id`
+field:
+
+    {"kv_transfer_params": {"session_id": "agent-7", "view_tokens": 4096, "coarse": false}}
+
+`parse` turns them into `RequestParams` or raises `RequestParamError` (a
+ValueError) that names the field and what it accepts; vLLM's request
+validation turns that into an HTTP 400 before the request reaches the engine
+(`compat.validate_requests_with`). Unknown `kv_transfer_params` keys are
+refused; other `vllm_xargs` keys belong to other plugins and are left alone.
+Pure functions, no vLLM imports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from vllm_sekv.config import SekvConfig
+
+KEYS = ("session_id", "view_tokens", "coarse")
+MAX_SESSION_ID_CHARS = 256
+
+
+class RequestParamError(ValueError):
+    """A client's sekv parameter is invalid (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class ViewLimits:
+    """The per-request `view_tokens` a server accepts: from `least` (sink +
+    recent + two blocks: a view with room for history) to `most` (its own
+    view budget)."""
+
+    least: int
+    most: int
+
+
+def view_limits(config: SekvConfig, window_tokens: int) -> ViewLimits:
+    """The per-request view budgets a server with `config` accepts."""
+    view = min(config.view_tokens or window_tokens, window_tokens)
+    return ViewLimits(config.sink_tokens + config.recent_tokens + 2 * config.block_tokens, view)
+
+
+def check(config: SekvConfig, window_tokens: int, kv_transfer_params: Any, extra_args: Any, session_id: Any) -> None:
+    """Raise RequestParamError if a request's sekv parameters are invalid for this server."""
+    parse(kv_transfer_params, extra_args, session_id, view_limits(config, window_tokens))
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    session_id: str | None = None
+    view_tokens: int | None = None  # the request's own view budget
+    coarse: bool | None = None  # None: the server's setting
+
+
+def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
+          session_id: Any = None, limits: ViewLimits | None = None) -> RequestParams:
+    """A request's sekv parameters. `session_id`: vLLM's own field, which
+    takes precedence over the other two places. Raises RequestParamError."""
+    params = kv_transfer_params or {}
+    if not isinstance(params, Mapping):
+        raise RequestParamError(f"kv_transfer_params: expected an object, got {type(params).__name__}")
+    unknown = sorted(k for k in params if k not in KEYS)
+    if unknown:
+        raise RequestParamError(f"kv_transfer_params: unknown key(s) {', '.join(map(repr, unknown))}; "
+                                f"sekv accepts {', '.join(KEYS)}")
+    extra = extra_args or {}
+
+    def given(key: str) -> tuple[str, Any]:
+        if key in params:
+            return f"kv_transfer_params.{key}", params[key]
+        return f"vllm_xargs.{key}", extra.get(key)
+
+    if session_id is not None:
+        sid_field, sid = "session_id", session_id
+    else:
+        sid_field, sid = given("session_id")
+    if sid is not None:
+        if not isinstance(sid, str) or not sid:
+            raise RequestParamError(f"{sid_field}: expected a non-empty string, got {sid!r:.80}")
+        if len(sid) > MAX_SESSION_ID_CHARS:
+            raise RequestParamError(f"{sid_field}: at most {MAX_SESSION_ID_CHARS} characters, got {len(sid)}")
+    view_field, view = given("view_tokens")
+    if view is not None:
+        if isinstance(view, bool) or not isinstance(view, int):
+            raise RequestParamError(f"{view_field}: expected an integer, got {view!r:.80}")
+        if limits is not None and not limits.least <= view <= limits.most:
+            raise RequestParamError(f"{view_field}: expected {limits.least} to {limits.most} tokens "
+                                    f"(the server's view budget), got {view}")
+        if view <= 0:
+            raise RequestParamError(f"{view_field}: expected a positive integer, got {view}")
+    coarse_field, coarse = given("coarse")
+    if coarse is not None and not isinstance(coarse, bool):
+        raise RequestParamError(f"{coarse_field}: expected true or false, got {coarse!r:.80}")
+    return RequestParams(sid, view, coarse)
