@@ -370,19 +370,51 @@ def worker_rank() -> int:
 
 def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int) -> dict[str, Any]:
     """What must match for stored KV to be valid for this server: the model
-    (path or name, and its config), KV dtype and geometry, block size, ranks."""
+    (path or name, its config and its weights, `weights_digest`), KV dtype
+    and geometry, block size, ranks, and the record format."""
+    from vllm_sekv.store.records import FORMAT_VERSION
+
     mc = vllm_config.model_config
     geo = kv_geometry(vllm_config)
+    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
     return {
         "model": str(mc.model),
         "hf_config_sha": hashlib.sha256(mc.hf_config.to_json_string().encode()).hexdigest()[:16],
+        "weights": weights_digest(str(mc.model), load_format),
         "dtype": str(geo.dtype).removeprefix("torch."),
         "num_layers": geo.num_layers,
         "kv_heads_per_rank": geo.kv_heads,
         "head_dim": geo.head_dim,
         "world_size": geo.world_size,
         "block_tokens": block_tokens,
+        "record_format": FORMAT_VERSION,
     }
+
+
+def weights_digest(model: str, load_format: str = "auto", samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+    """A digest of a local model folder's weight files: per file its name,
+    size and `samples` evenly spaced pieces of `sample_bytes` (a few MB read
+    at start-up, not the whole model), so weights swapped under the same path
+    give another fingerprint. "dummy" for random weights; the model's name
+    where it is no local folder (a hub id: its revision is in the config)."""
+    if load_format == "dummy":
+        return "dummy"
+    import os
+
+    folder = model if os.path.isdir(model) else None
+    if folder is None:
+        return "name:" + model
+    digest = hashlib.sha256()
+    names = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")))
+    for name in names:
+        path = os.path.join(folder, name)
+        size = os.path.getsize(path)
+        digest.update(f"{name}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(samples):
+                f.seek(max(0, (size - sample_bytes) * i // max(samples - 1, 1)))
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:32]
 
 
 # ------------------------------------------------------------ execution views

@@ -115,6 +115,19 @@ class SekvConfig:
     nvme_bytes: int = 64 << 30
     # Threads doing NVMe reads and writes in each worker.
     nvme_io_threads: int = 8
+    # Durability of the NVMe tier: "on" = a record is fsync-ed before its
+    # rename and its folder after (a block reported written survives a power
+    # loss), and the manifest's transactions are durable when they commit;
+    # "off" = no fsync (a crash can lose recent records and sessions, never
+    # serve a damaged one: checksums make them misses).
+    nvme_sync: str = "on"
+    # Named sessions kept (the least recently used beyond this are forgotten;
+    # their blocks stay restorable by content).
+    max_sessions: int = 100_000
+    # Optional per-tenant share of the host and NVMe budgets, in percent
+    # (0 = none): a tenant at its share evicts its own blocks, never another's.
+    tenant_host_percent: int = 0
+    tenant_nvme_percent: int = 0
     # Execution views. A prompt longer than `view_tokens` is served from a
     # view: sink + the history blocks that score highest for the new tokens
     # (in their original order) + recent + new, at positions 0..V-1, with V <=
@@ -172,6 +185,11 @@ class SekvConfig:
     # token's KV each); more segments than that are merged into coarser groups.
     coarse: str = "off"
     coarse_percent: int = 10
+    # The server secret that keys tenant digests (`workspace.tenants`): ""
+    # = a random one kept owner-only in `nvme_dir` (or one per process
+    # without an NVMe tier). Servers that share a tier must share it; give it
+    # as SEKV_HASH_SECRET (vLLM logs its command-line arguments).
+    hash_secret: str = ""
     # How a view's history moves to the device: "exact", or SeKV "lowrank(r)":
     # per block and surprisal segment, rank-r factors of pre-RoPE keys and of
     # values, kept on the host next to the exact block and rebuilt on the
@@ -181,10 +199,10 @@ class SekvConfig:
     restore_codec: str = "exact"
 
     _SIZES = ("host_bytes", "nvme_bytes")
-    _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec")
+    _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec", "hash_secret")
     _FLOATS = ("anchor_alpha",)
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
-                "surprisal": ON_OFF, "coarse": ON_OFF}
+                "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens
@@ -196,6 +214,11 @@ class SekvConfig:
             raise ValueError(
                 f"sekv config 'protected_percent': expected 0..100, got {self.protected_percent}"
             )
+        if self.max_sessions < 1:
+            raise ValueError(f"sekv config 'max_sessions': expected at least 1, got {self.max_sessions}")
+        for key in ("tenant_host_percent", "tenant_nvme_percent"):
+            if not 0 <= getattr(self, key) <= 100:
+                raise ValueError(f"sekv config '{key}': expected 0..100 (0: no share), got {getattr(self, key)}")
         if not 1 <= self.nvme_io_threads <= 256:
             raise ValueError(
                 f"sekv config 'nvme_io_threads': expected 1..256, got {self.nvme_io_threads}"
@@ -251,6 +274,8 @@ class SekvConfig:
                 parse_codec(self.restore_codec)
             except ValueError as e:
                 raise ValueError(f"sekv config 'restore_codec': {e} (or 'router')") from None
+        if self.hash_secret and len(self.hash_secret.encode()) < 16:
+            raise ValueError("sekv config 'hash_secret': at least 16 bytes, or \"\" for a generated one")
         if self.rerank_blocks and self.router_path:
             raise ValueError("sekv config 'rerank_blocks': the zoom router ranks blocks on its own; "
                              "use rerank_blocks 0 with router_path")

@@ -89,7 +89,7 @@ def test_a_restore_match_reaches_the_worker_once_per_request(model_dir):
     side = SekvSchedulerSide(SekvConfig.from_sources({"host_bytes": "64M"}, environ={}), vllm_config)
     planner, bt = side.planner, side.planner.block_tokens
     history = list(range(1, 4 * bt + 1))
-    planner.match("a", history, "", None, 0)  # the history's prefill, captured and committed
+    planner.match("a", history, side.tenants.of(""), None, 0)  # the history's prefill, captured and committed
     planner.set_paged_blocks("a", list(range(8)), replace=True)
     planner.accept_restore("a", 0)
     plan = planner.plan_step({"a": (0, len(history))}, lambda _: history)

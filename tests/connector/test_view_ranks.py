@@ -21,7 +21,7 @@ BUDGET = ViewBudget(block_tokens=BT, view_tokens=12 * BT, sink_tokens=BT, recent
 
 def coordinator(**sekv) -> ViewCoordinator:
     config = SekvConfig(block_tokens=BT, sink_tokens=BT, recent_tokens=2 * BT, **sekv)
-    return ViewCoordinator(config, planner=None, window_tokens=4096, capacity_tokens=4096)
+    return ViewCoordinator(config, planner=None, tenant_of=str, window_tokens=4096, capacity_tokens=4096)
 
 
 def probed_job(views: ViewCoordinator, rows: np.ndarray) -> ViewJob:

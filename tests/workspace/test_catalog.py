@@ -142,3 +142,44 @@ def test_records_found_at_start_up_beyond_the_budget_are_deleted_oldest_first():
         assert cat.add_stored(h(k), 32 * k)
     assert cat.take_deletes() == [h(0)] and cat.lookup(h(0)) is None
     assert cat.lookup(h(2)).start_token == 64 and not cat.lookup(h(2)).restorable
+
+
+def test_each_tenant_sees_only_its_own_block_count():
+    cat = BlockCatalog(8, LRUPolicy())
+    for i in range(3):
+        cat.commit(cat.reserve(0, tenant="a"), h(i))
+    cat.commit(cat.reserve(0, tenant="b"), h(9))
+    assert cat.tenant_blocks("a") == 3 and cat.tenant_blocks("b") == 1 and cat.tenant_blocks("c") == 0
+
+
+def test_a_tenant_at_its_share_evicts_its_own_blocks_never_anothers():
+    cat = BlockCatalog(8, LRUPolicy(), host_share=3)
+    for i in range(3):
+        cat.commit(cat.reserve(0, tenant="b"), h(10 + i))
+    for i in range(3):
+        cat.commit(cat.reserve(0, tenant="a"), h(i))
+    # a holds its share (free slots remain): its next block takes the slot of a's oldest
+    cat.commit(cat.reserve(0, tenant="a"), h(3))
+    assert h(0) not in cat and all(h(k) in cat for k in (1, 2, 3))
+    assert all(h(10 + i) in cat for i in range(3)) and cat.num_host_used == 6
+    # a burst of a's blocks never touches b's
+    for i in range(4, 20):
+        cat.commit(cat.reserve(0, tenant="a"), h(i))
+    assert all(h(10 + i) in cat for i in range(3)) and cat.tenant_blocks("a") == 3
+
+
+def test_a_tenant_at_its_share_with_nothing_to_give_up_gets_no_slot():
+    cat = BlockCatalog(4, LRUPolicy(), host_share=1)
+    pending = cat.reserve(0, tenant="a")  # reserved, not evictable
+    assert pending is not None and cat.reserve(0, tenant="a") is None
+    assert cat.reserve(0, tenant="b") is not None  # others are not held back
+
+
+def test_nvme_shares_work_the_same_way():
+    cat = BlockCatalog(8, LRUPolicy(), num_nvme_records=4, nvme_policy=LRUPolicy(), nvme_share=2)
+    for i in range(3):
+        cat.commit(cat.reserve(0, tenant="a"), h(i))
+        cat.write_done(h(i), True)
+    stored = [k for k in range(3) if cat.lookup(h(k)).nvme is NvmeState.STORED]
+    assert stored == [1, 2]  # the share is 2: a's first record went for its third
+    assert cat.take_deletes() == [h(0)]

@@ -119,3 +119,17 @@ def test_joined_tokens_read_like_the_concatenated_list():
     assert len(joined) == len(whole) + 1 and joined[-1] == 10
     hashes = extend_block_hashes([], joined, 32, "s")
     assert hashes == extend_block_hashes([], head + tail, 32, "s")
+
+
+def test_the_memo_stays_bounded_whatever_clients_send():
+    """Prompts shorter than a block leave nothing to reuse and take no entry;
+    many sessions never hold more than `max_entries`."""
+    from vllm_sekv.workspace.hashing import PrefixHashMemo
+
+    memo = PrefixHashMemo(8, capacity_tokens=1 << 20, max_entries=16)
+    for i in range(1000):
+        memo.hashes([1, 2, 3], "t", f"id-{i}")
+    assert len(memo) == 0
+    for i in range(1000):
+        memo.hashes(list(range(16)), "t", f"id-{i}")
+    assert len(memo) == 16

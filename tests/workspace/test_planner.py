@@ -182,7 +182,7 @@ def test_history_spilled_to_nvme_is_read_back_before_it_is_restored():
     eng.planner = WorkspacePlanner(eng.catalog, SessionTable(), BT, PAGED)
     history = list(range(1, 41))
     prefill_and_finish(eng, "a", history)
-    writes = {h for plan in eng.plans for _, h, _ in plan.nvme_writes}
+    writes = {op.block_hash for plan in eng.plans for op in plan.nvme_writes}
     assert len(writes) == 5
     eng.planner.nvme_done([("write", h, True) for h in writes])
     prefill_and_finish(eng, "x", [9] * 40)  # another session pushes a's blocks off the host
@@ -192,9 +192,9 @@ def test_history_spilled_to_nvme_is_read_back_before_it_is_restored():
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None
     plan = eng.run({})
     reads = plan.nvme_reads
-    assert {h for h, _, _ in reads} == writes
+    assert {op.block_hash for op in reads} == writes
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None  # still reading
-    eng.planner.nvme_done([("read", h, True) for h, _, _ in reads])
+    eng.planner.nvme_done([("read", op.block_hash, True) for op in reads])
     # ... then the whole history.
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) == 40
     eng.planner.accept_restore("b", 40)
@@ -207,19 +207,19 @@ def test_a_failed_nvme_read_ends_the_match_there():
     eng.planner = WorkspacePlanner(eng.catalog, SessionTable(), BT, PAGED)
     history = list(range(1, 41))
     prefill_and_finish(eng, "a", history)
-    writes = [h for plan in eng.plans for _, h, _ in plan.nvme_writes]
+    writes = [op.block_hash for plan in eng.plans for op in plan.nvme_writes]
     eng.planner.nvme_done([("write", h, True) for h in writes])
     prefill_and_finish(eng, "x", [9] * 40)
     confirm_all_writes(eng)
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None
-    reads = [h for h, _, _ in eng.run({}).nvme_reads]
+    reads = [op.block_hash for op in eng.run({}).nvme_reads]
     bad = extend(history)[2]  # the third block's file is corrupt
     eng.planner.nvme_done([("read", h, h != bad) for h in reads])
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) == 2 * BT
 
 
 def confirm_all_writes(eng):
-    eng.planner.nvme_done([("write", h, True) for plan in eng.plans for _, h, _ in plan.nvme_writes])
+    eng.planner.nvme_done([("write", op.block_hash, True) for plan in eng.plans for op in plan.nvme_writes])
 
 
 def extend(tokens, salt=""):
@@ -236,7 +236,7 @@ def test_a_request_id_used_again_never_inherits_the_finished_requests_kv():
     prefill_and_finish(eng, "r", list(range(1, 41)), salt="tenant-a")
     assert eng.catalog.num_committed == 5
     assert eng.admit("r", list(range(500, 540)), salt="tenant-b") == 0
-    assert eng.planner.requests["r"].salt == "tenant-b"
+    assert eng.planner.requests["r"].tenant == "tenant-b"
     # Even the same prompt under another salt restores nothing of A's.
     prefill_and_finish(eng, "s", list(range(1, 41)), salt="tenant-a")
     assert eng.admit("s", list(range(1, 41)) + [9] * 8, salt="tenant-b") == 0

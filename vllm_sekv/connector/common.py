@@ -1,5 +1,7 @@
 """The only things scheduler-side and worker-side connector code share:
-the per-step plan (scheduler -> worker) and the step report (worker -> scheduler).
+the per-step plan (scheduler -> worker), the step report (worker ->
+scheduler), and how both size the tiers and name the NVMe folder from the
+config and the model.
 """
 from __future__ import annotations
 
@@ -12,6 +14,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from vllm_sekv import compat
+from vllm_sekv.config import SekvConfig
+from vllm_sekv.store import HostPool
+from vllm_sekv.store.nvme import NvmeLayout, folder_name
+from vllm_sekv.store.records import RecordLayout, fingerprint_digest
 from vllm_sekv.workspace.plan import StepPlan
 
 
@@ -81,3 +88,35 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
             },
             surprisal=self.surprisal if self.surprisal is not None else other.surprisal,
         )
+
+
+def block_bytes_per_rank(config: SekvConfig, vllm_config: Any) -> int:
+    geo = compat.kv_geometry(vllm_config)
+    return HostPool.bytes_per_block(
+        geo.num_layers, config.block_tokens, geo.kv_heads, geo.head_dim, geo.dtype
+    )
+
+
+def host_slots(config: SekvConfig, vllm_config: Any) -> tuple[int, int]:
+    """(number of host slots, bytes per block over all ranks) under `host_bytes`."""
+    block_bytes = block_bytes_per_rank(config, vllm_config) * compat.kv_geometry(vllm_config).world_size
+    num_slots = config.host_bytes // block_bytes
+    if num_slots < 1:
+        raise ValueError(
+            f"sekv config 'host_bytes': {config.host_bytes} bytes cannot hold one block "
+            f"of {config.block_tokens} tokens ({block_bytes} bytes for this model)"
+        )
+    return num_slots, block_bytes
+
+
+def nvme_layout(config: SekvConfig, vllm_config: Any) -> NvmeLayout:
+    fingerprint = compat.model_fingerprint(vllm_config, config.block_tokens)
+    return NvmeLayout(config.nvme_dir, folder_name(fingerprint))
+
+
+def record_layout(config: SekvConfig, vllm_config: Any, rank: int) -> RecordLayout:
+    """What every NVMe record of this model and `rank` must say about itself."""
+    geo = compat.kv_geometry(vllm_config)
+    return RecordLayout(fingerprint_digest(compat.model_fingerprint(vllm_config, config.block_tokens)),
+                        config.block_tokens, geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype, rank,
+                        block_bytes_per_rank(config, vllm_config))

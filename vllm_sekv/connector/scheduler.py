@@ -16,62 +16,53 @@ from typing import Any
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector import head_start
-from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
+from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta, block_bytes_per_rank, host_slots, nvme_layout, \
+    record_layout
 from vllm_sekv.connector.views import ViewCoordinator
-from vllm_sekv.store import HostPool, Tier, make_policy
-from vllm_sekv.store.nvme import DirLock, NvmeLayout, folder_name, record_bytes
+from vllm_sekv.store import Tier, make_policy
+from vllm_sekv.store.nvme import DirLock, NvmeLayout
+from vllm_sekv.store.records import record_bytes
 from vllm_sekv.workspace.catalog import BlockCatalog
-from vllm_sekv.workspace.manifest import ManifestError, read_manifest, write_manifest
+from vllm_sekv.workspace.manifest import ManifestWriter, open_or_set_aside
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
+from vllm_sekv.workspace.tenants import TenantKeys, resolve_secret
 
 logger = logging.getLogger("vllm_sekv")
 
 
-def block_bytes_per_rank(config: SekvConfig, vllm_config: Any) -> int:
-    geo = compat.kv_geometry(vllm_config)
-    return HostPool.bytes_per_block(
-        geo.num_layers, config.block_tokens, geo.kv_heads, geo.head_dim, geo.dtype
-    )
-
-
-def host_slots(config: SekvConfig, vllm_config: Any) -> tuple[int, int]:
-    """(number of host slots, bytes per block over all ranks) under `host_bytes`."""
-    block_bytes = block_bytes_per_rank(config, vllm_config) * compat.kv_geometry(vllm_config).world_size
-    num_slots = config.host_bytes // block_bytes
-    if num_slots < 1:
-        raise ValueError(
-            f"sekv config 'host_bytes': {config.host_bytes} bytes cannot hold one block "
-            f"of {config.block_tokens} tokens ({block_bytes} bytes for this model)"
-        )
-    return num_slots, block_bytes
-
-
-def nvme_layout(config: SekvConfig, vllm_config: Any) -> NvmeLayout:
-    fingerprint = compat.model_fingerprint(vllm_config, config.block_tokens)
-    return NvmeLayout(config.nvme_dir, folder_name(fingerprint))
+def _share(num_blocks: int, percent: int) -> int:
+    """Most blocks one tenant may hold on a tier of `num_blocks` (0: no limit)."""
+    return max(1, num_blocks * percent // 100) if percent else 0
 
 
 class SekvSchedulerSide:
     def __init__(self, config: SekvConfig, vllm_config: Any, kv_cache_config: Any = None) -> None:
         num_slots, block_bytes = host_slots(config, vllm_config)
         world_size = compat.kv_geometry(vllm_config).world_size
-        self.sessions = SessionTable()
+        self.sessions = SessionTable(config.max_sessions)
         self.nvme: NvmeLayout | None = None
         self._lock: DirLock | None = None
+        self._manifest: ManifestWriter | None = None
         self._fingerprint = compat.model_fingerprint(vllm_config, config.block_tokens)
         self._engine_id = head_start.engine_id(vllm_config)
         num_records, found = 0, []
-        if config.nvme_dir:
-            num_records, found = self._open_nvme(config, vllm_config, world_size)
+        try:
+            if config.nvme_dir:
+                num_records, found = self._open_nvme(config, vllm_config, world_size)
+            self.tenants = TenantKeys(resolve_secret(config.hash_secret, config.nvme_dir or None))
+        except OSError as e:  # a read-only or unreachable folder, a secret that cannot be read
+            raise ValueError(f"sekv config 'nvme_dir': cannot use {config.nvme_dir}: {e}") from e
         self.catalog = BlockCatalog(
             num_slots,
             make_policy(config.policy, num_slots, config.protected_percent),
             num_records,
             make_policy(config.policy, num_records, config.protected_percent),
+            host_share=_share(num_slots, config.tenant_host_percent),
+            nvme_share=_share(num_records, config.tenant_nvme_percent),
         )
         for info in found:
-            self.catalog.add_stored(info.block_hash, info.start_token)
+            self.catalog.add_stored(info.block_hash, info.start_token, info.tenant.hex())
         self.planner = WorkspacePlanner(
             self.catalog,
             self.sessions,
@@ -85,6 +76,7 @@ class SekvSchedulerSide:
         self.views = ViewCoordinator(
             config,
             self.planner,
+            self.tenants.of,
             window_tokens=compat.native_window_tokens(vllm_config),
             capacity_tokens=compat.kv_capacity_tokens(kv_cache_config, vllm_config),
         )
@@ -102,11 +94,11 @@ class SekvSchedulerSide:
         )
 
     def _open_nvme(self, config: SekvConfig, vllm_config: Any, world_size: int) -> tuple[int, list]:
+        """Lock the model's folder, clear what an earlier run left in tmp/,
+        load the manifest and scan the records. Raises OSError (the caller
+        names `nvme_dir`) or NvmeDirInUse."""
         layout = nvme_layout(config, vllm_config)
-        try:
-            layout.create()
-        except OSError as e:
-            raise ValueError(f"sekv config 'nvme_dir': cannot use {config.nvme_dir}: {e}") from e
+        layout.create()
         self._lock = DirLock(layout.lock_path).acquire()
         layout.clear_tmp()
         per_block = record_bytes(block_bytes_per_rank(config, vllm_config)) * world_size
@@ -117,14 +109,13 @@ class SekvSchedulerSide:
                 f"({per_block} bytes for this model)"
             )
         self.nvme = layout
-        if layout.manifest.exists():
-            try:
-                _, workspaces = read_manifest(layout.manifest)
-                for ws in workspaces:
-                    self.sessions.add(ws)
-            except ManifestError as e:
-                logger.warning("sekv nvme: ignoring the manifest (%s); blocks stay restorable", e)
-        return num_records, layout.scan(rank=0)
+        manifest = open_or_set_aside(layout.manifest, self._fingerprint, config.nvme_sync == "on")
+        for ws in manifest.load():
+            self.sessions.add(ws)
+        for ws in self.sessions.take_evicted():  # more than max_sessions on disk: the oldest go
+            manifest.delete([(ws.tenant, ws.session_id)])
+        self._manifest = ManifestWriter(manifest)
+        return num_records, layout.scan(record_layout(config, vllm_config, rank=0))
 
     def _tokens_of(self, req_id: str) -> Any:
         """A request's known tokens in virtual order (a view job's full history)."""
@@ -145,7 +136,7 @@ class SekvSchedulerSide:
         ext = self.planner.match(
             request.request_id,
             request.prompt_token_ids or (),
-            compat.request_cache_salt(request),
+            self.tenants.of(compat.request_cache_salt(request)),
             compat.request_params(request).session_id,
             num_computed_tokens,
         )
@@ -226,7 +217,7 @@ class SekvSchedulerSide:
             "prefilled_tokens": st.num_prompt_tokens - cached,
             "vllm_cached_tokens": cached - restored,
             "restore_ms": round(1000.0 * st.restore_seconds, 3) if restored else 0.0,
-            "workspace_blocks": self.catalog.num_committed,
+            "workspace_blocks": self.catalog.tenant_blocks(st.tenant),  # this tenant's only
         }
         if view_info is not None:
             params["prefilled_tokens"] = view_info.pop("prefilled_tokens")
@@ -236,22 +227,27 @@ class SekvSchedulerSide:
             # step's worker report: that step's restore time (a view's final
             # pass, or a one-step request's only restore) comes later this step.
             self._open_params[req_id] = params
-        self._write_manifest()
+        self._note_session(st)
         return False, {"sekv": params}
 
     # ------------------------------------------------------------ upkeep
 
-    def _write_manifest(self) -> None:
-        if self.nvme is None or not self.sessions.dirty:
+    def _note_session(self, st: Any) -> None:
+        """Hand a finished request's session (and any the table let go) to
+        the manifest's writer thread; never waits."""
+        evicted = self.sessions.take_evicted()
+        if self._manifest is None:
             return
-        try:
-            write_manifest(self.nvme.manifest, self.sessions, self._fingerprint)
-            self.sessions.dirty = False
-        except OSError as e:
-            logger.warning("sekv nvme: could not write the manifest: %s", e)
+        for ws in evicted:
+            self._manifest.delete((ws.tenant, ws.session_id))
+        ws = self.sessions.get(st.tenant, st.session_id) if st.session_id is not None else None
+        if ws is not None:
+            self._manifest.put(ws)
 
     def shutdown(self) -> None:
-        self._write_manifest()
+        if self._manifest is not None:
+            self._manifest.close()
+            self._manifest = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ logger = logging.getLogger("vllm_sekv")
 class ViewJob:
     req_id: str
     prompt: list[int]  # the full prompt: history + new tokens, virtual positions 0..
-    salt: str  # the client's cache salt (tenant), for the workspace's hashes
+    tenant: str  # the client's tenant key (`workspace.tenants`), for the workspace's hashes
     session_id: str | None
     budget: ViewBudget
     current: ViewPass | None = None  # None: chosen at the next `next_pass`
@@ -71,10 +71,12 @@ class ViewJob:
 
 class ViewCoordinator:
     def __init__(
-        self, config: SekvConfig, planner: WorkspacePlanner, window_tokens: int, capacity_tokens: int
+        self, config: SekvConfig, planner: WorkspacePlanner, tenant_of: Callable[[str], str], window_tokens: int,
+        capacity_tokens: int,
     ) -> None:
         self.config = config
         self.planner = planner
+        self.tenant_of = tenant_of  # a client's cache salt -> its tenant key
         self.window_tokens = window_tokens
         bt = config.block_tokens
         view = config.view_tokens or window_tokens
@@ -120,7 +122,8 @@ class ViewCoordinator:
         if len(prompt) <= budget.view_tokens:
             compat.clamp_max_tokens(request, self.window_tokens - len(prompt))
             return False
-        job = ViewJob(request.request_id, prompt, compat.request_cache_salt(request), params.session_id, budget)
+        job = ViewJob(request.request_id, prompt, self.tenant_of(compat.request_cache_salt(request)),
+                      params.session_id, budget)
         job.coarse = self.config.coarse == "on" and params.coarse is not False
         self.jobs[job.req_id] = job
         # Until its first pass is chosen the request must not hit vLLM's
@@ -130,7 +133,7 @@ class ViewCoordinator:
 
     def _pass_salt(self, job: ViewJob) -> str:
         n = sum(job.num_passes.values())
-        return f"{job.salt}\x00sekv-view:{job.req_id}:{n}"
+        return f"{job.tenant}\x00sekv-view:{job.req_id}:{n}"
 
     # ---------------------------------------------------------------- passes
 
@@ -142,7 +145,7 @@ class ViewCoordinator:
             if job.probe is not None:
                 view = self._final_pass(job)
             else:
-                matched = self.planner.match_history(job.req_id, job.prompt, job.salt,
+                matched = self.planner.match_history(job.req_id, job.prompt, job.tenant,
                                                      job.session_id)
                 if matched is None:
                     return None

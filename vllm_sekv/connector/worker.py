@@ -66,12 +66,11 @@ import torch
 from vllm_sekv import compat
 from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.connector.coarse import CoarseAttention, StepRows
-from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta
+from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta, host_slots, nvme_layout, record_layout
 from vllm_sekv.connector import head_start
 from vllm_sekv.connector.device_reports import CaptureCheck, RestoreTiming
 from vllm_sekv.connector.probes import ProbeScorer
 from vllm_sekv.connector.restores import DeviceRestores
-from vllm_sekv.connector.scheduler import host_slots, nvme_layout
 from vllm_sekv.connector.stats import SekvStats
 from vllm_sekv.connector.surprisal import SurprisalRecorder
 from vllm_sekv.ops import rotate_keys
@@ -84,6 +83,7 @@ from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.workspace.block_index import BlockIndex
 from vllm_sekv.workspace.plan import RestoreOp, StepPlan
 from vllm_sekv.workspace.router import FULL_RANK, load_router
+from vllm_sekv.workspace.tenants import tenant_bytes
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -230,9 +230,13 @@ class SekvWorkerSide:
                                  "in this vLLM version; use surprisal off")
             self.surprisal = SurprisalRecorder(model)
         if self.config.nvme_dir:
-            layout = nvme_layout(self.config, self.vllm_config)
-            self.records = RecordIO(layout, self.pool.data, compat.worker_rank(),
-                                    self.config.nvme_io_threads)
+            rank = compat.worker_rank()
+            try:
+                self.records = RecordIO(nvme_layout(self.config, self.vllm_config), self.pool.data,
+                                        record_layout(self.config, self.vllm_config, rank),
+                                        self.config.nvme_io_threads, sync=self.config.nvme_sync == "on")
+            except OSError as e:
+                raise ValueError(f"sekv config 'nvme_dir': cannot use {self.config.nvme_dir}: {e}") from e
 
     def _read_keys(self, slots: list[int]) -> torch.Tensor:
         """Keys of whole host slots on the index's device (the re-rank's
@@ -285,7 +289,7 @@ class SekvWorkerSide:
             self.coarse.finish(plan.coarse_finished)
         if self.lowrank:  # slots taking new bytes: their factors are stale
             bt = self.config.block_tokens
-            for slot in {*np.unique(plan.capture_host_rows // bt).tolist(), *(s for _, s, _ in plan.nvme_reads)}:
+            for slot in {*np.unique(plan.capture_host_rows // bt).tolist(), *(op.host_slot for op in plan.nvme_reads)}:
                 for tier in self.lowrank.values():
                     tier.drop(slot)
         if self.index is not None and self.index.kind.uses_weights:
@@ -295,10 +299,11 @@ class SekvWorkerSide:
         if self.records is not None:
             for block_hash in plan.nvme_deletes:
                 self.records.delete_now(block_hash)
-            for slot, block_hash, start_token in plan.nvme_writes:
-                self.records.submit_write(slot, block_hash, start_token, plan.nvme_write_surprisal.get(slot))
-            for block_hash, slot, start_token in plan.nvme_reads:
-                self.records.submit_read(block_hash, slot, start_token)
+            for op in plan.nvme_writes:
+                self.records.submit_write(op.host_slot, op.block_hash, op.start_token, tenant_bytes(op.tenant),
+                                          plan.nvme_write_surprisal.get(op.host_slot))
+            for op in plan.nvme_reads:
+                self.records.submit_read(op.block_hash, op.host_slot, op.start_token, tenant_bytes(op.tenant))
         if self.pool is not None:
             self._update_index(plan)
 

@@ -3,40 +3,43 @@
 Layout under `nvme_dir` (one subfolder per model fingerprint, so several models
 can share a directory and a block is never read back by the wrong model):
 
-    <nvme_dir>/<fingerprint>/LOCK             flock-ed by the one server using it
-    <nvme_dir>/<fingerprint>/manifest.json    sessions (see workspace/manifest.py)
+    <nvme_dir>/secret                         the server secret (`workspace.tenants`)
+    <nvme_dir>/<fingerprint>/LOCK             who holds the folder (its pid)
+    <nvme_dir>/<fingerprint>/manifest.sqlite  sessions (`workspace.manifest`)
     <nvme_dir>/<fingerprint>/blocks/ab/<hash>.r<rank>.blk
     <nvme_dir>/<fingerprint>/tmp/             writes in progress
 
-A record is a 4 KiB header followed by the block's bytes (the host pool's slot
-layout), padded to 4 KiB. The header may also carry the block's per-token
-surprisal (SeKV; float32, with its own CRC32): metadata, so a damaged copy
-only makes it unknown, never fails the read. File names come from content hashes only (which cover
-the tenant's salt); client-supplied names never become paths. A write goes to
-tmp/ and is renamed into blocks/ when complete, so a crash leaves no record
-under blocks/ that was not written whole; the payload's checksum, checked on
-every read, catches the rest (torn pages, bit rot, tampering).
+Everything sekv creates there is owner-only (folders 0700, files 0600). The
+folder itself is flock-ed by the one server or command using it (a lock on the
+folder, not on a file someone could unlink). A record's format is in
+`store.records`. File names come from content hashes only; client-supplied
+names never become paths.
+
+A write goes to tmp/ and is renamed into blocks/ when complete. Durability is
+the config's promise (`nvme_sync`): with it on, a record is fsync-ed before
+its rename and its directory after, so a record that a server reported
+written survives a power loss; with it off, a crash can leave empty or
+partial records, which the checksum catches (a miss) and the start-up scan
+deletes. Folders removed while a server runs are made again.
 
 `RecordIO` runs in the worker process. Its reads and writes run on a thread
 pool (the system calls and the checksums release the GIL), with O_DIRECT where
 the filesystem allows it (not on tmpfs) and buffered I/O elsewhere. It never
 raises into the forward pass: every failure (missing file, short read, bad
-header, checksum mismatch, I/O error, full disk, read-only directory) comes
-back as a failed completion with a reason, and the caller treats the block as
-a miss.
+header, checksum mismatch, wrong identity, I/O error, full disk, read-only
+directory) comes back as a failed completion with a reason, and the caller
+treats the block as a miss.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
-import json
 import logging
 import mmap
 import os
-import struct
+import shutil
+import stat
 import threading
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,48 +47,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_sekv.store.records import (
+    HEADER_BYTES, RecordError, RecordLayout, checksum_kind, pack_header, record_bytes, unpack_header,
+    unpack_surprisal, verify,
+)
+
 logger = logging.getLogger("vllm_sekv")
 
-MAGIC = b"SEKVBLK1"
-FORMAT_VERSION = 1
-HEADER_BYTES = 4096
 ALIGN_BYTES = 4096
-# magic, version, block hash, start token, payload bytes, checksum kind,
-# checksum of the payload, rank
-_HEADER = struct.Struct("<8sI16sqqIQi")
-CHECKSUM_CRC32, CHECKSUM_XXH3 = 1, 2
-# After the header struct: surprisal count (0: none), CRC32 of the values, then
-# float32 x count. Records written before it have zeros there: no surprisal.
-_SURPRISAL = struct.Struct("<II")
-MAX_SURPRISAL_TOKENS = (HEADER_BYTES - _HEADER.size - _SURPRISAL.size) // 4
-
-
-def _checksum_fn(kind: int):
-    if kind == CHECKSUM_XXH3:
-        import xxhash
-
-        return xxhash.xxh3_64_intdigest
-    if kind == CHECKSUM_CRC32:
-        return zlib.crc32
-    raise ValueError(f"unknown checksum kind {kind}")
-
-
-def _best_checksum() -> int:
-    try:
-        _checksum_fn(CHECKSUM_XXH3)
-        return CHECKSUM_XXH3
-    except ImportError:
-        return CHECKSUM_CRC32
-
-
-def record_bytes(payload_bytes: int) -> int:
-    return HEADER_BYTES + -(-payload_bytes // ALIGN_BYTES) * ALIGN_BYTES
+MANIFEST_NAME = "manifest.sqlite"
 
 
 def folder_name(fingerprint: dict) -> str:
     """The subfolder of `nvme_dir` for one model fingerprint."""
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
-    return "fp-" + digest[:16]
+    from vllm_sekv.store.records import fingerprint_digest
+
+    return "fp-" + fingerprint_digest(fingerprint).hex()[:16]
 
 
 class NvmeDirInUse(RuntimeError):
@@ -95,9 +72,17 @@ class NvmeDirInUse(RuntimeError):
 @dataclass(frozen=True)
 class RecordInfo:
     block_hash: bytes
+    tenant: bytes
     start_token: int
     rank: int
     path: Path
+
+
+def _mkdir(path: Path) -> None:
+    """`path` and its missing parents, owner-only (an existing one made so)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 class NvmeLayout:
@@ -107,66 +92,92 @@ class NvmeLayout:
         self.root = Path(nvme_dir) / fingerprint
         self.blocks = self.root / "blocks"
         self.tmp = self.root / "tmp"
-        self.manifest = self.root / "manifest.json"
+        self.manifest = self.root / MANIFEST_NAME
         self.lock_path = self.root / "LOCK"
 
     def create(self) -> None:
-        for d in (self.blocks, self.tmp):
-            d.mkdir(parents=True, exist_ok=True)
+        for d in (self.root, self.blocks, self.tmp):
+            _mkdir(d)
 
     def block_path(self, block_hash: bytes, rank: int) -> Path:
         h = block_hash.hex()
         return self.blocks / h[:2] / f"{h}.r{rank}.blk"
 
-    def scan(self, rank: int = 0) -> list[RecordInfo]:
-        """Records of `rank` found on disk, oldest first (file modification
-        time). Unreadable headers are skipped and logged: they would be misses."""
+    def scan(self, layout: RecordLayout) -> list[RecordInfo]:
+        """Records of `layout.rank` found on disk, oldest first (modification
+        time). A file that is not a regular file, or whose header is damaged,
+        from another model or layout, or does not match its name, is deleted
+        (it could only ever be a miss), with a log line."""
         out = []
-        for path in self.blocks.glob(f"*/*.r{rank}.blk"):
+        for path in self.blocks.glob(f"*/*.r{layout.rank}.blk"):
             try:
-                with open(path, "rb") as f:
-                    raw = f.read(_HEADER.size)
-                magic, version, block_hash, start, _, _, _, r = _HEADER.unpack(raw)
-                if magic != MAGIC or version != FORMAT_VERSION or r != rank:
-                    raise ValueError("bad header")
-                if block_hash.hex() != path.name.split(".")[0]:
-                    raise ValueError("header does not match the file name")
-            except (OSError, ValueError, struct.error) as e:
-                logger.warning("sekv nvme: ignoring %s: %s", path, e)
+                info = os.lstat(path)
+                if not stat.S_ISREG(info.st_mode):
+                    raise RecordError("not a regular file")
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+                try:
+                    raw = os.pread(fd, HEADER_BYTES, 0)
+                finally:
+                    os.close(fd)
+                header = unpack_header(raw, layout)
+                if header.block_hash.hex() != path.name.split(".")[0]:
+                    raise RecordError("header does not match the file name")
+            except (OSError, RecordError) as e:
+                logger.warning("sekv nvme: deleting %s: %s", path, e)
+                _remove(path)
                 continue
-            out.append(RecordInfo(block_hash, start, rank, path))
+            out.append(RecordInfo(header.block_hash, header.tenant, header.start_token, layout.rank, path))
         return sorted(out, key=lambda r: _mtime(r.path))
 
     def clear_tmp(self) -> None:
-        for path in self.tmp.glob("*"):
+        """Remove whatever an earlier run left in tmp/ (files, folders, anything)."""
+        for path in self.tmp.iterdir():
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
             path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("sekv nvme: could not remove %s: %s", path, e)
 
 
 class DirLock:
-    """An exclusive, non-blocking flock on `<folder>/LOCK`, held until `release`
-    or process exit. A second server on the same folder fails fast."""
+    """An exclusive, non-blocking flock on a folder, held until `release` or
+    process exit; the holder's pid goes into `<folder>/LOCK` for the message
+    a second server or command gets (it fails fast)."""
 
     def __init__(self, lock_path: Path) -> None:
         self.path = lock_path
         self._fd: int | None = None
 
     def acquire(self) -> "DirLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise NvmeDirInUse(
                     f"sekv config 'nvme_dir': {self.path.parent} is in use by another "
-                    f"sekv server or command (pid {holder}); give each server its own nvme_dir"
+                    f"sekv server or command (pid {self._holder()}); give each server its own nvme_dir"
                 ) from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, self.path)
         return self
+
+    def _holder(self) -> str:
+        try:
+            return self.path.read_text()[:32].strip() or "unknown"
+        except OSError:
+            return "unknown"
 
     def release(self) -> None:
         if self._fd is not None:
@@ -178,7 +189,7 @@ class DirLock:
 def supports_o_direct(folder: Path) -> bool:
     probe = folder / f".odirect-probe-{os.getpid()}"
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     except OSError:
         return False
     try:
@@ -219,13 +230,16 @@ class RecordIO:
     kind is recorded in each header, so either reader checks either record.
     """
 
-    def __init__(self, layout: NvmeLayout, pool_data: torch.Tensor, rank: int, threads: int) -> None:
+    def __init__(self, layout: NvmeLayout, pool_data: torch.Tensor, record_layout: RecordLayout, threads: int,
+                 sync: bool = True) -> None:
         self.layout = layout
         self.pool = pool_data
-        self.rank = rank
-        self.payload_bytes = pool_data[0].numel() * pool_data.element_size()
+        self.record_layout = record_layout
+        self.rank = record_layout.rank
+        self.payload_bytes = record_layout.payload_bytes
         self.record_bytes = record_bytes(self.payload_bytes)
-        self.checksum_kind = _best_checksum()
+        self.checksum_kind = checksum_kind()
+        self.sync = sync
         layout.create()
         self.o_direct = supports_o_direct(layout.tmp)
         self._zero_copy = (
@@ -236,19 +250,21 @@ class RecordIO:
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sekv-nvme")
         self._futures: list[Future] = []
-        logger.info("sekv nvme: %s, %s I/O%s, %d threads", layout.root,
+        logger.info("sekv nvme: %s, %s I/O%s, %d threads, %s", layout.root,
                     "O_DIRECT" if self.o_direct else "buffered",
-                    ", zero-copy" if self._zero_copy else "", threads)
+                    ", zero-copy" if self._zero_copy else "", threads,
+                    "fsync before and after each rename" if sync else "no fsync")
 
     # ------------------------------------------------------------- public
 
-    def submit_write(self, host_slot: int, block_hash: bytes, start_token: int,
+    def submit_write(self, host_slot: int, block_hash: bytes, start_token: int, tenant: bytes,
                      surprisal: np.ndarray | None = None) -> None:
         """`surprisal` ([block_tokens] float32, optional) is stored in the header."""
-        self._futures.append(self._executor.submit(self._write, host_slot, block_hash, start_token, surprisal))
+        self._futures.append(self._executor.submit(self._write, host_slot, block_hash, start_token, tenant,
+                                                   surprisal))
 
-    def submit_read(self, block_hash: bytes, host_slot: int, start_token: int) -> None:
-        self._futures.append(self._executor.submit(self._read, block_hash, host_slot, start_token))
+    def submit_read(self, block_hash: bytes, host_slot: int, start_token: int, tenant: bytes) -> None:
+        self._futures.append(self._executor.submit(self._read, block_hash, host_slot, start_token, tenant))
 
     def delete_now(self, block_hash: bytes) -> None:
         """Remove a record's file (blocking; cheap). Runs before any later
@@ -285,31 +301,37 @@ class RecordIO:
         return local.header, local.bounce
 
     def _open(self, path: Path, flags: int) -> int:
-        return os.open(path, flags | (os.O_DIRECT if self.o_direct else 0), 0o644)
+        return os.open(path, flags | (os.O_DIRECT if self.o_direct else 0), 0o600)
 
-    def _write(self, host_slot: int, block_hash: bytes, start_token: int,
+    def _write(self, host_slot: int, block_hash: bytes, start_token: int, tenant: bytes,
                surprisal: np.ndarray | None = None) -> Completion:
         tmp = self.layout.tmp / f"{block_hash.hex()}.r{self.rank}.{os.getpid()}.tmp"
         final = self.layout.block_path(block_hash, self.rank)
         try:
             payload = self._slot_bytes(host_slot)
             header, bounce = self._buffers()
-            checksum = _checksum_fn(self.checksum_kind)(payload)
-            header[:] = (_HEADER.pack(MAGIC, FORMAT_VERSION, block_hash, start_token, self.payload_bytes,
-                                      self.checksum_kind, checksum, self.rank)
-                         + _pack_surprisal(surprisal)).ljust(HEADER_BYTES, b"\0")
+            header[:] = pack_header(block_hash, tenant, start_token, self.record_layout, payload,
+                                    self.checksum_kind, surprisal)
             if bounce is not None:
                 bounce[: self.payload_bytes] = payload
                 body = bounce
             else:
                 body = payload
-            fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            except FileNotFoundError:  # tmp/ was removed while we ran: make it again
+                self.layout.create()
+                fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 _write_all(fd, [memoryview(header), memoryview(body)[: self.record_bytes - HEADER_BYTES]])
+                if self.sync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
-            final.parent.mkdir(exist_ok=True)
+            _mkdir(final.parent)
             os.replace(tmp, final)
+            if self.sync:
+                _fsync_dir(final.parent)
             return Completion("write", block_hash, True, host_slot, start_token)
         except OSError as e:
             try:
@@ -318,50 +340,37 @@ class RecordIO:
                 pass
             return Completion("write", block_hash, False, host_slot, start_token, _reason(e))
 
-    def _read(self, block_hash: bytes, host_slot: int, start_token: int) -> Completion:
+    def _read(self, block_hash: bytes, host_slot: int, start_token: int, tenant: bytes) -> Completion:
         path = self.layout.block_path(block_hash, self.rank)
         try:
             header, bounce = self._buffers()
             slot = self._slot_bytes(host_slot)
-            fd = self._open(path, os.O_RDONLY)
+            fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise RecordError("not a regular file")
                 got = os.preadv(fd, [header, bounce if bounce is not None else slot], 0)
             finally:
                 os.close(fd)
             if got != self.record_bytes:
-                raise ValueError(f"short read ({got} of {self.record_bytes} bytes)")
-            magic, version, h, start, size, kind, checksum, rank = _HEADER.unpack_from(header, 0)
-            if (magic, version, h, start, size, rank) != (
-                MAGIC, FORMAT_VERSION, block_hash, start_token, self.payload_bytes, self.rank
-            ):
-                raise ValueError("header does not match the record asked for")
+                raise RecordError(f"short read ({got} of {self.record_bytes} bytes)")
+            head = unpack_header(header, self.record_layout)
+            if (head.block_hash, head.tenant, head.start_token) != (block_hash, tenant, start_token):
+                raise RecordError("the record is another block's")
             if bounce is not None:
-                slot[:] = memoryview(bounce)[:size]
-            if _checksum_fn(kind)(slot) != checksum:
-                raise ValueError("checksum mismatch")
-            return Completion("read", block_hash, True, host_slot, start_token,
-                              surprisal=_unpack_surprisal(header))
-        except (OSError, ValueError, ImportError, struct.error) as e:
+                slot[:] = memoryview(bounce)[: self.payload_bytes]
+            verify(head, slot)
+            return Completion("read", block_hash, True, host_slot, start_token, surprisal=unpack_surprisal(header))
+        except (OSError, RecordError, ImportError) as e:
             return Completion("read", block_hash, False, host_slot, start_token, _reason(e))
 
 
-def _pack_surprisal(surprisal: np.ndarray | None) -> bytes:
-    if surprisal is None or not len(surprisal):
-        return _SURPRISAL.pack(0, 0)
-    values = np.ascontiguousarray(surprisal, dtype=np.float32)[:MAX_SURPRISAL_TOKENS].tobytes()
-    return _SURPRISAL.pack(len(values) // 4, zlib.crc32(values)) + values
-
-
-def _unpack_surprisal(header: mmap.mmap) -> np.ndarray | None:
-    """The header's surprisal, or None (absent, or its CRC does not match)."""
-    count, crc = _SURPRISAL.unpack_from(header, _HEADER.size)
-    if not 0 < count <= MAX_SURPRISAL_TOKENS:
-        return None
-    start = _HEADER.size + _SURPRISAL.size
-    values = bytes(header[start : start + 4 * count])
-    if zlib.crc32(values) != crc:
-        return None
-    return np.frombuffer(values, dtype=np.float32).copy()
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:

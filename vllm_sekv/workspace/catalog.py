@@ -18,11 +18,19 @@ host tier (`host_slot`), on the NVMe tier (`nvme`), or on both:
     forgets the NVMe copy: the block is a miss and vLLM recomputes it.
 
 Only blocks that are committed, on the host and not loading are restorable.
+
+Every block belongs to a tenant (its tenant key). The catalog counts each
+tenant's blocks (what a response may report to that tenant), and with a
+tenant share set (`host_share`, `nvme_share`: most blocks one tenant may
+hold on a tier, 0 = no limit) a tenant at its share makes room by evicting
+its own least recently used block, never another tenant's.
+
 Single-threaded: owned by the scheduler-side connector.
 """
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -40,6 +48,7 @@ class NvmeState(enum.Enum):
 class BlockRecord:
     start_token: int  # position of the block's first token in its sequence
     host_slot: int | None
+    tenant: str = ""  # tenant key of the request that computed it
     block_hash: bytes | None = None  # set at commit
     committed: bool = False
     pins: int = 0
@@ -70,8 +79,14 @@ class BlockCatalog:
         host_policy: EvictionPolicy,
         num_nvme_records: int = 0,
         nvme_policy: EvictionPolicy | None = None,
+        host_share: int = 0,
+        nvme_share: int = 0,
     ) -> None:
         self._slots = SlotAllocator(num_host_slots)
+        self.host_share, self.nvme_share = host_share, nvme_share
+        self._host_count: Counter[str] = Counter()  # tenant -> blocks with a host slot
+        self._nvme_count: Counter[str] = Counter()  # tenant -> blocks with an NVMe record
+        self._committed_count: Counter[str] = Counter()  # tenant -> matchable blocks
         self._host_policy = host_policy
         self._nvme_capacity = num_nvme_records
         self._nvme_policy = nvme_policy or LRUPolicy()
@@ -103,6 +118,10 @@ class BlockCatalog:
     def num_nvme_used(self) -> int:
         return self._nvme_used
 
+    def tenant_blocks(self, tenant: str) -> int:
+        """Matchable blocks of one tenant (on any tier)."""
+        return self._committed_count[tenant]
+
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._by_hash
 
@@ -121,15 +140,17 @@ class BlockCatalog:
 
     # ------------------------------------------------------------ host tier
 
-    def reserve(self, start_token: int) -> BlockRecord | None:
-        """Take a host slot for a block about to be captured; None if the host
-        tier holds nothing it may give up."""
-        slot = self._take_host_slot()
+    def reserve(self, start_token: int, tenant: str = "") -> BlockRecord | None:
+        """Take a host slot for a block of `tenant` about to be captured; None
+        if the host tier (or the tenant's share of it) holds nothing it may
+        give up."""
+        slot = self._take_host_slot(tenant)
         if slot is None:
             self.stats.reserve_failures += 1
             return None
-        rec = BlockRecord(start_token=start_token, host_slot=slot)
+        rec = BlockRecord(start_token=start_token, host_slot=slot, tenant=tenant)
         self._by_slot[slot] = rec
+        self._host_count[tenant] += 1
         return rec
 
     def commit(self, rec: BlockRecord, block_hash: bytes) -> bool:
@@ -143,11 +164,13 @@ class BlockCatalog:
             return False
         rec.block_hash, rec.committed = block_hash, True
         self._by_hash[block_hash] = rec
+        self._committed_count[rec.tenant] += 1
         self._host_policy.insert(block_hash)
         self.stats.committed_blocks += 1
-        if self.nvme_enabled and self._take_nvme_record():
+        if self.nvme_enabled and self._take_nvme_record(rec.tenant):
             rec.nvme = NvmeState.WRITING
             self._nvme_policy.insert(block_hash)
+            self._nvme_count[rec.tenant] += 1
         return True
 
     def release(self, rec: BlockRecord) -> None:
@@ -157,13 +180,17 @@ class BlockCatalog:
         if rec.host_slot is not None and self._by_slot.get(rec.host_slot) is rec:
             del self._by_slot[rec.host_slot]
             self._slots.free(rec.host_slot)
+            self._host_count[rec.tenant] -= 1
             rec.host_slot = None
 
-    def _take_host_slot(self) -> int | None:
-        slot = self._slots.allocate()
+    def _take_host_slot(self, tenant: str) -> int | None:
+        """A free host slot for `tenant`: a free one, else the host policy's
+        victim's (the tenant's own once it holds its share)."""
+        at_share = self.host_share and self._host_count[tenant] >= self.host_share
+        slot = None if at_share else self._slots.allocate()
         if slot is not None:
             return slot
-        victim = self._host_policy.victim(skip=lambda h: self._busy(self._by_hash[h]))
+        victim = self._host_policy.victim(skip=self._skip_for(tenant if at_share else None))
         if victim is None:
             return None
         rec = self._by_hash[victim]
@@ -177,26 +204,36 @@ class BlockCatalog:
         self._host_policy.remove(rec.block_hash)
         del self._by_slot[rec.host_slot]
         self._slots.free(rec.host_slot)
+        self._host_count[rec.tenant] -= 1
         rec.host_slot = None
 
     @staticmethod
     def _busy(rec: BlockRecord) -> bool:
         return rec.pins > 0 or rec.loading or rec.nvme is NvmeState.WRITING
 
+    def _skip_for(self, tenant: str | None):
+        """Which committed blocks a victim may not be: busy ones, and (for a
+        tenant at its share) every other tenant's."""
+        if tenant is None:
+            return lambda h: self._busy(self._by_hash[h])
+        return lambda h: self._busy(self._by_hash[h]) or self._by_hash[h].tenant != tenant
+
     # ------------------------------------------------------------ NVMe tier
 
-    def add_stored(self, block_hash: bytes, start_token: int) -> BlockRecord | None:
+    def add_stored(self, block_hash: bytes, start_token: int, tenant: str = "") -> BlockRecord | None:
         """Register a record found on disk at start-up (NVMe only). Over the
         NVMe budget the policy's victim goes (register oldest first); None, and
         the file listed for deletion, if nothing can go."""
         if block_hash in self._by_hash:
             return self._by_hash[block_hash]
-        if not self._take_nvme_record():
+        if not self._take_nvme_record(tenant):
             self._deletes.append(block_hash)
             return None
-        rec = BlockRecord(start_token=start_token, host_slot=None, block_hash=block_hash,
+        rec = BlockRecord(start_token=start_token, host_slot=None, tenant=tenant, block_hash=block_hash,
                           committed=True, nvme=NvmeState.STORED)
         self._by_hash[block_hash] = rec
+        self._committed_count[tenant] += 1
+        self._nvme_count[tenant] += 1
         self._nvme_policy.insert(block_hash)
         return rec
 
@@ -215,12 +252,13 @@ class BlockCatalog:
         if rec.host_slot is not None or rec.nvme is not NvmeState.STORED:
             return rec.host_slot is not None
         rec.pins += 1  # not a victim while its slot is being taken
-        slot = self._take_host_slot()
+        slot = self._take_host_slot(rec.tenant)
         rec.pins -= 1
         if slot is None:
             return False
         rec.host_slot, rec.loading = slot, True
         self._by_slot[slot] = rec
+        self._host_count[rec.tenant] += 1
         self._host_policy.insert(rec.block_hash)
         return True
 
@@ -237,11 +275,12 @@ class BlockCatalog:
         out, self._deletes = self._deletes, []
         return out
 
-    def _take_nvme_record(self) -> bool:
-        if self._nvme_used < self._nvme_capacity:
+    def _take_nvme_record(self, tenant: str) -> bool:
+        at_share = self.nvme_share and self._nvme_count[tenant] >= self.nvme_share
+        if not at_share and self._nvme_used < self._nvme_capacity:
             self._nvme_used += 1
             return True
-        victim = self._nvme_policy.victim(skip=lambda h: self._busy(self._by_hash[h]))
+        victim = self._nvme_policy.victim(skip=self._skip_for(tenant if at_share else None))
         if victim is None:
             return False
         self.stats.nvme_evictions += 1
@@ -253,13 +292,15 @@ class BlockCatalog:
         self._nvme_policy.remove(rec.block_hash)
         rec.nvme = NvmeState.NONE
         self._nvme_used -= 1
+        self._nvme_count[rec.tenant] -= 1
         if delete_file:
             self._deletes.append(rec.block_hash)
         if rec.host_slot is None:
             self._forget(rec)
 
     def _forget(self, rec: BlockRecord) -> None:
-        self._by_hash.pop(rec.block_hash, None)
+        if self._by_hash.pop(rec.block_hash, None) is not None:
+            self._committed_count[rec.tenant] -= 1
         self.stats.forgotten_blocks += 1
 
     # --------------------------------------------------------------- uses

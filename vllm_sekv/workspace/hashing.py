@@ -1,10 +1,12 @@
 """Content addresses of workspace blocks.
 
-Block j of a token sequence is named by a chained hash over the salt and all
-tokens up to the end of block j: two sequences share block j exactly when they
-share every token before its end and the salt. The salt is the request's
-`cache_salt`, so tenants with different salts never share a block. Hashes are
-BLAKE2b-128, stable across processes and restarts.
+Block j of a token sequence is named by a chained hash over the request's
+tenant key and all tokens up to the end of block j: two sequences share block
+j exactly when they share every token before its end and the tenant. The
+tenant key is a keyed digest of the client's `cache_salt`
+(`workspace.tenants`), so tenants never share a block and the chain cannot be
+recomputed without the server secret. Hashes are BLAKE2b-128, stable across
+processes and restarts (with the same secret).
 """
 from __future__ import annotations
 
@@ -12,22 +14,22 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-_VERSION = b"sekv-block-v1"
+_VERSION = b"sekv-block-v2"
 
 
-def root_hash(salt: str) -> bytes:
-    return hashlib.blake2b(_VERSION + salt.encode("utf-8"), digest_size=16).digest()
+def root_hash(tenant: str) -> bytes:
+    return hashlib.blake2b(_VERSION + tenant.encode("utf-8"), digest_size=16).digest()
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_tokens: int, salt: str
+    hashes: list[bytes], token_ids: Sequence[int], block_tokens: int, tenant: str
 ) -> list[bytes]:
     """Append the hashes of every full block of `token_ids` not yet in `hashes`.
 
     `hashes` holds the hashes of the first len(hashes) blocks of the same
     sequence (possibly none); it is extended in place and returned.
     """
-    parent = hashes[-1] if hashes else root_hash(salt)
+    parent = hashes[-1] if hashes else root_hash(tenant)
     for start in range(len(hashes) * block_tokens, len(token_ids) - block_tokens + 1, block_tokens):
         chunk = array("q", token_ids[start : start + block_tokens]).tobytes()
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
@@ -101,28 +103,33 @@ class PrefixHashMemo:
     An agent resends its whole history every step: hashing a 512K-token prompt
     again costs ~30 ms, comparing it with the last one a few. The blocks the
     two share from the start are reused, whatever follows them. One entry per
-    `(salt, key)` (`key`: the session id, or None for a tenant's requests
-    without one), holding a copy of the tokens (callers may rewrite theirs)
-    and their hashes; the least recently used entries go once the entries
-    hold more than `capacity_tokens` tokens in all.
+    `(tenant, key)` (`key`: the session id, or None for a tenant's requests
+    without one) holding at least one whole block, with a copy of the tokens
+    (callers may rewrite theirs) and their hashes; the least recently used
+    entries go once the entries hold more than `capacity_tokens` tokens or
+    number more than `max_entries`.
 
-    `hashes(...)` equals `extend_block_hashes([], token_ids, block_tokens, salt)`
+    `hashes(...)` equals `extend_block_hashes([], token_ids, block_tokens, tenant)`
     in every case: hashes are reused only for whole blocks whose tokens are
-    equal, under the same salt, and a chained hash depends on nothing else.
+    equal, under the same tenant, and a chained hash depends on nothing else.
     Not thread-safe; blocking.
     """
 
-    def __init__(self, block_tokens: int, capacity_tokens: int = 1 << 22) -> None:
+    def __init__(self, block_tokens: int, capacity_tokens: int = 1 << 22, max_entries: int = 4096) -> None:
         self.block_tokens = block_tokens
         self.capacity_tokens = capacity_tokens
+        self.max_entries = max_entries
         self._entries: dict[tuple[str, str | None], tuple[list[int], list[bytes]]] = {}
         self._tokens = 0
 
-    def hashes(self, token_ids: Sequence[int], salt: str, key: str | None = None) -> list[bytes]:
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def hashes(self, token_ids: Sequence[int], tenant: str, key: str | None = None) -> list[bytes]:
         """The hashes of every full block of `token_ids` (a new list)."""
         bt = self.block_tokens
         full = len(token_ids) // bt * bt
-        entry = self._entries.pop((salt, key), None)
+        entry = self._entries.pop((tenant, key), None)
         out: list[bytes] = []
         if entry is not None and isinstance(token_ids, list):  # its tokens are whole blocks, one hash each
             self._tokens -= len(entry[0])
@@ -130,12 +137,12 @@ class PrefixHashMemo:
             out = old_hashes[: _shared_blocks(old_tokens, token_ids, min(len(old_tokens), full), bt)]
         elif entry is not None:  # other sequence types: no reuse
             self._tokens -= len(entry[0])
-        extend_block_hashes(out, token_ids, bt, salt)
-        if full <= self.capacity_tokens:
+        extend_block_hashes(out, token_ids, bt, tenant)
+        if 0 < full <= self.capacity_tokens:  # nothing to reuse without a whole block
             kept = token_ids[:full]  # a copy: callers may rewrite their list
-            self._entries[(salt, key)] = (kept if isinstance(kept, list) else list(kept), out)
+            self._entries[(tenant, key)] = (kept if isinstance(kept, list) else list(kept), out)
             self._tokens += full
-            while self._tokens > self.capacity_tokens:
+            while self._tokens > self.capacity_tokens or len(self._entries) > self.max_entries:
                 oldest = next(iter(self._entries))
                 self._tokens -= len(self._entries.pop(oldest)[0])
         return list(out)

@@ -115,6 +115,16 @@ class CoarseOp:
     summaries: CoarseSummaries | None = None
 
 
+@dataclass(frozen=True)
+class RecordOp:
+    """One NVMe record to write from a host slot, or to read into one."""
+
+    block_hash: bytes
+    host_slot: int
+    start_token: int  # the block's first token's virtual position (checked on read)
+    tenant: str  # tenant key (checked on read)
+
+
 @dataclass
 class StepPlan:
     step_id: int
@@ -143,8 +153,8 @@ class StepPlan:
     # NVMe tier, all asynchronous in the worker; completions come back in its
     # step report. Deletes run first, before any write of the same step.
     nvme_deletes: list[bytes] = field(default_factory=list)
-    nvme_writes: list[tuple[int, bytes, int]] = field(default_factory=list)  # (slot, hash, start)
+    nvme_writes: list[RecordOp] = field(default_factory=list)
     # Per-token surprisal of the written blocks (host slot -> [block_tokens]
     # float32), kept in their records' headers; empty when not recorded.
     nvme_write_surprisal: dict[int, np.ndarray] = field(default_factory=dict)
-    nvme_reads: list[tuple[bytes, int, int]] = field(default_factory=list)  # (hash, slot, start)
+    nvme_reads: list[RecordOp] = field(default_factory=list)

@@ -40,7 +40,7 @@ from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import PrefixHashMemo, extend_block_hashes
 from vllm_sekv.workspace.coarse import CoarsePlan
 from vllm_sekv.workspace.plan import (
-    CoarseOp, CoarseSummaries, LowRankBlock, RestoreOp, ScoreOp, StepPlan, SurprisalOp,
+    CoarseOp, CoarseSummaries, LowRankBlock, RecordOp, RestoreOp, ScoreOp, StepPlan, SurprisalOp,
 )
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.views import PassKind, ViewPass
@@ -48,16 +48,16 @@ from vllm_sekv.workspace.views import PassKind, ViewPass
 TokenSource = Callable[[str], Sequence[int]]
 
 
-def _prompt_key(prompt: Sequence[int], salt: str, session_id: str | None, block_tokens: int) -> tuple:
+def _prompt_key(prompt: Sequence[int], tenant: str, session_id: str | None, block_tokens: int) -> tuple:
     """What tells one request's prompt from another's under the same id (cheap:
     its tenant, session, length and first and last block)."""
-    return (salt, session_id, len(prompt), tuple(prompt[:block_tokens]), tuple(prompt[-block_tokens:]))
+    return (tenant, session_id, len(prompt), tuple(prompt[:block_tokens]), tuple(prompt[-block_tokens:]))
 
 
 @dataclass
 class RequestState:
     req_id: str
-    salt: str
+    tenant: str  # tenant key (`workspace.tenants`): the root of its block hashes
     session_id: str | None
     num_prompt_tokens: int
     key: tuple = ()  # `_prompt_key` of the prompt it was created for
@@ -122,8 +122,8 @@ class WorkspacePlanner:
         self._next_step = 0
         self._confirmed_step = -1
         self._index_queue: list[tuple[int, int]] = []
-        self._write_queue: list[tuple[int, bytes, int]] = []
-        self._read_queue: list[tuple[bytes, int, int]] = []
+        self._write_queue: list[RecordOp] = []
+        self._read_queue: list[RecordOp] = []
         self._coarse_finished: list[str] = []
         # Every rank holds its own share of a block: an NVMe operation is done
         # when all ranks report it. (kind, hash) -> ranks still to report.
@@ -136,13 +136,13 @@ class WorkspacePlanner:
         self,
         req_id: str,
         prompt_token_ids: Sequence[int],
-        salt: str,
+        tenant: str,
         session_id: str | None,
         local_tokens: int,
     ) -> int | None:
         """Tokens beyond `local_tokens` (vLLM's own hit) the workspace can
         restore, or None while blocks of the match are being read from NVMe."""
-        st = self._state(req_id, prompt_token_ids, salt, session_id)
+        st = self._state(req_id, prompt_token_ids, tenant, session_id)
         self._hash_prompt(st, prompt_token_ids)
         bt = self.block_tokens
         first = local_tokens // bt
@@ -170,7 +170,7 @@ class WorkspacePlanner:
                 if rec.host_slot is None:
                     if not self.catalog.promote(rec):
                         break
-                    self._read_queue.append((rec.block_hash, rec.host_slot, rec.start_token))
+                    self._read_queue.append(RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant))
                     self._io_pending[("read", rec.block_hash)] = self.world_size
                     promoted.add(rec.block_hash)
                 reading = reading or rec.loading
@@ -225,11 +225,11 @@ class WorkspacePlanner:
     # ------------------------------------------------------ execution views
 
     def match_history(
-        self, req_id: str, prompt_token_ids: Sequence[int], salt: str, session_id: str | None
+        self, req_id: str, prompt_token_ids: Sequence[int], tenant: str, session_id: str | None
     ) -> int | None:
         """Leading blocks of the prompt that the workspace holds, all pinned for
         the request's views; None while blocks of them are read from NVMe."""
-        st = self._state(req_id, prompt_token_ids, salt, session_id)
+        st = self._state(req_id, prompt_token_ids, tenant, session_id)
         self._hash_prompt(st, prompt_token_ids)
         self.catalog.unpin(st.waiting_pins + st.view_pins)
         st.waiting_pins, st.view_pins = [], []
@@ -243,19 +243,19 @@ class WorkspacePlanner:
         st.view_pins = st.matched
         return usable
 
-    def _state(self, req_id: str, prompt_token_ids: Sequence[int], salt: str,
+    def _state(self, req_id: str, prompt_token_ids: Sequence[int], tenant: str,
                session_id: str | None) -> RequestState:
         """The live request's state, or a new one. Request ids are the
         client's to choose (vLLM can be told not to randomize them): a state
         is only ever reused for the same live request, never for a later one
-        that repeats the id, with another tenant's salt or another prompt."""
-        key = _prompt_key(prompt_token_ids, salt, session_id, self.block_tokens)
+        that repeats the id, for another tenant or with another prompt."""
+        key = _prompt_key(prompt_token_ids, tenant, session_id, self.block_tokens)
         st = self.requests.get(req_id)
         if st is not None and st.key == key and not st.finished:
             return st
         if st is not None:
             self._retire(st)
-        st = self.requests[req_id] = RequestState(req_id, salt, session_id, len(prompt_token_ids), key=key)
+        st = self.requests[req_id] = RequestState(req_id, tenant, session_id, len(prompt_token_ids), key=key)
         return st
 
     def _retire(self, st: RequestState) -> None:
@@ -275,9 +275,9 @@ class WorkspacePlanner:
         """`st.hashes` cover every full block of the prompt (hashed once per
         request, reusing what the session's last prompt shares with it)."""
         if not st.hashes:
-            st.hashes = self._prompt_hashes.hashes(prompt_token_ids, st.salt, st.session_id)
+            st.hashes = self._prompt_hashes.hashes(prompt_token_ids, st.tenant, st.session_id)
         else:
-            extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, st.salt)
+            extend_block_hashes(st.hashes, prompt_token_ids, self.block_tokens, st.tenant)
 
     def history_surprisal(self, req_id: str) -> np.ndarray | None:
         """Surprisal of each token of `req_id`'s matched history, in virtual
@@ -421,7 +421,7 @@ class WorkspacePlanner:
         step.nvme_deletes = self.catalog.take_deletes()
         step.nvme_writes, self._write_queue = self._write_queue, []
         if self.surprisal is not None:
-            step.nvme_write_surprisal = {slot: self.surprisal[slot].copy() for slot, _, _ in step.nvme_writes}
+            step.nvme_write_surprisal = {op.host_slot: self.surprisal[op.host_slot].copy() for op in step.nvme_writes}
         step.nvme_reads, self._read_queue = self._read_queue, []
         return step
 
@@ -499,11 +499,11 @@ class WorkspacePlanner:
             # it cannot be captured whole.
             st.skip_blocks.add(block)
             return None
-        extend_block_hashes(st.hashes, tokens_of(st.req_id), bt, st.salt)
+        extend_block_hashes(st.hashes, tokens_of(st.req_id), bt, st.tenant)
         if block < len(st.hashes) and st.hashes[block] in self.catalog:
             st.skip_blocks.add(block)  # someone already holds it
             return None
-        rec = self.catalog.reserve(start_token=block * bt)
+        rec = self.catalog.reserve(start_token=block * bt, tenant=st.tenant)
         if rec is None:
             st.capture_broken = True
             return None
@@ -533,14 +533,14 @@ class WorkspacePlanner:
                 if rec.captured_tokens < bt or rec.last_capture_step > confirmed:
                     continue
                 if b >= len(st.hashes) and not st.finished:
-                    extend_block_hashes(st.hashes, tokens_of(st.req_id), bt, st.salt)
+                    extend_block_hashes(st.hashes, tokens_of(st.req_id), bt, st.tenant)
                 if b >= len(st.hashes):
                     continue
                 del st.captures[b]
                 if self.catalog.commit(rec, st.hashes[b]):
                     self._index_queue.append((rec.host_slot, rec.start_token))
                     if rec.nvme is NvmeState.WRITING:
-                        self._write_queue.append((rec.host_slot, rec.block_hash, rec.start_token))
+                        self._write_queue.append(RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant))
                         self._io_pending[("write", rec.block_hash)] = self.world_size
         self._retired = [st for st in self._retired if st.captures or st.restore_pins]
 
@@ -574,10 +574,10 @@ class WorkspacePlanner:
         self.catalog.unpin(st.waiting_pins + st.view_pins)
         st.waiting_pins, st.view_pins = [], []
         bt = self.block_tokens
-        extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.salt)
+        extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.tenant)
         self._release_captures(st, complete_blocks=len(st.hashes))
         if st.session_id is not None:
-            self.sessions.record(st.salt, st.session_id, st.hashes, num_computed_tokens)
+            self.sessions.record(st.tenant, st.session_id, st.hashes, num_computed_tokens)
         self._retire(st)
         return st
 
