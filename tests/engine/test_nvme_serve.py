@@ -1,18 +1,20 @@
 """The NVMe tier through real `vllm serve` processes: restart, faults, a second
 server, hostile session ids. Every answer is compared with a plain server's."""
-import json
+import urllib.error
 from pathlib import Path
 
 import pytest
 
 from vllm_sekv.serving import LocalServer
+from vllm_sekv.workspace.manifest import Manifest
 
 from test_http_serve import VLLM_ARGS, post
 
 pytestmark = pytest.mark.engine
 
 ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-HOSTILE_IDS = ["../../etc/passwd", "x" * 5000, "会话/🙂\\..", "", "\x00nul"]
+HOSTILE_IDS = ["../../etc/passwd", "x" * 256, "会话/🙂\\..", "\x00nul", ""]  # served ("": no session)
+REFUSED_IDS = ["x" * 5000]  # an HTTP 400 naming session_id
 
 
 def sekv_config(nvme_dir):
@@ -58,6 +60,12 @@ def first_life(model_dir, essay, nvme_dir, plain_answers):
         out = [ask(server.url, model_dir, history(essay, n)) for n in (1, 2)]
         for sid in HOSTILE_IDS:
             out.append(ask(server.url, model_dir, history(essay, 1), session_id=sid))
+        for sid in REFUSED_IDS:
+            try:
+                ask(server.url, model_dir, history(essay, 1), session_id=sid)
+                out.append((200, ""))
+            except urllib.error.HTTPError as e:
+                out.append((e.code, e.read().decode(errors="replace")))
     return out
 
 
@@ -65,16 +73,19 @@ def test_first_life_answers_equal_plain(first_life, plain_answers):
     assert [answer(r) for r in first_life[:2]] == plain_answers[:2]
 
 
-def test_hostile_session_ids_are_served_and_never_become_paths(first_life, nvme_dir, plain_answers):
-    for r in first_life[2:]:
+def test_hostile_session_ids_are_served_or_refused_and_never_become_paths(first_life, nvme_dir, plain_answers):
+    served, refused = first_life[2 : 2 + len(HOSTILE_IDS)], first_life[2 + len(HOSTILE_IDS):]
+    for r in served:
         assert answer(r) == plain_answers[0]
+    for status, message in refused:
+        assert status == 400 and "session_id" in message
     names = {p.name for p in Path(nvme_dir).rglob("*")}
-    assert not any(sid and sid in name for sid in HOSTILE_IDS for name in names)
+    assert not any(sid and sid in name for sid in HOSTILE_IDS + REFUSED_IDS for name in names)
     assert not Path("/etc/passwd.blk").exists()
     (fp,) = [d for d in Path(nvme_dir).iterdir() if d.name.startswith("fp-")]
-    manifest = json.loads((fp / "manifest.json").read_text())
-    # an empty id means "no session" (the history is still found by its prefix)
-    assert {s["session_id"] for s in manifest["sessions"]} >= {"agent-1", *filter(None, HOSTILE_IDS)}
+    manifest = Manifest(fp / "manifest.sqlite", {})
+    assert {w.session_id for w in manifest.load()} == {"agent-1", *filter(None, HOSTILE_IDS)}
+    manifest.close()
 
 
 def test_restart_restores_from_nvme_and_computes_only_new_tokens(model_dir, essay, nvme_dir,
