@@ -244,12 +244,14 @@ class FaultRun:
             elif kind in ("flip_payload", "flip_header", "truncate", "delete_record") and records:
                 path = rng.choice(records)
                 size = path.stat().st_size
+                lo, hi = (4096, size) if kind == "flip_payload" else (0, min(HEADER_IDENTITY_BYTES, size))
                 if kind == "delete_record":
                     path.unlink()
                 elif kind == "truncate":
-                    os.truncate(path, rng.randrange(0, size))
+                    os.truncate(path, rng.randrange(0, max(size, 1)))
+                elif hi <= lo:  # an earlier fault left the file too short for this one
+                    did = False
                 else:
-                    lo, hi = (4096, size) if kind == "flip_payload" else (0, HEADER_IDENTITY_BYTES)
                     offset = rng.randrange(lo, hi)
                     with open(path, "r+b") as f:
                         f.seek(offset)
