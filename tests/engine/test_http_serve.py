@@ -79,15 +79,18 @@ def sessions(model_dir, essay):
         # Malformed requests are refused with a clear error and lose nothing stored.
         bad = {name: refusal(server.url, model_dir, body) for name, body in BAD_REQUESTS.items()}
         again = chat_session(server.url, model_dir, essay)
+        other_tenant = post(server.url, "/v1/chat/completions", {
+            "model": model_dir, "messages": [{"role": "user", "content": essay[:400]}], "max_tokens": 4,
+            "cache_salt": "another-tenant"})
         with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
             metrics = r.read().decode()
     with LocalServer(model_dir, sekv=None, vllm_args=VLLM_ARGS, env=ENV) as server:
         plain = chat_session(server.url, model_dir, essay)
-    return plain, sekv, bad, again, metrics
+    return plain, sekv, bad, again, metrics, other_tenant
 
 
 def test_answers_equal_plain_vllm(sessions):
-    plain, sekv, _, _, _ = sessions
+    plain, sekv, _, _, _, _ = sessions
     for p, s in zip(plain, sekv):
         assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
         assert s["usage"]["prompt_tokens"] == p["usage"]["prompt_tokens"]
@@ -95,7 +98,7 @@ def test_answers_equal_plain_vllm(sessions):
 
 
 def test_history_is_restored_not_prefilled(sessions):
-    plain, sekv, _, _, _ = sessions
+    plain, sekv, _, _, _, _ = sessions
     assert all(p["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for p in plain)
     assert sekv[0]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0
     for prev, step in zip(sekv, sekv[1:]):
@@ -107,8 +110,15 @@ def test_history_is_restored_not_prefilled(sessions):
         assert params["prefilled_tokens"] == step["usage"]["prompt_tokens"] - restored
 
 
+def test_a_response_counts_only_its_own_tenants_blocks(sessions):
+    _, sekv, _, again, _, other = sessions
+    mine = again[-1]["kv_transfer_params"]["sekv"]["workspace_blocks"]
+    theirs = other["kv_transfer_params"]["sekv"]["workspace_blocks"]
+    assert mine > 20 and theirs < 20  # the other tenant's first short request sees none of this session
+
+
 def test_bad_request_gets_a_clear_error_and_loses_nothing(sessions):
-    _, sekv, bad, again, _ = sessions
+    _, sekv, bad, again, _, _ = sessions
     for name, (status, message) in bad.items():
         assert status == 400, (name, status, message)
         assert BAD_REQUESTS_FIELD[name] in message, (name, message)
@@ -119,7 +129,7 @@ def test_bad_request_gets_a_clear_error_and_loses_nothing(sessions):
 
 
 def test_connector_stats_reach_prometheus(sessions):
-    _, sekv, _, again, metrics = sessions
+    _, sekv, _, again, metrics, _ = sessions
     restored = sum(s["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] for s in sekv + again)
     values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
               if line.startswith("vllm:sekv_restored_tokens_total")]
