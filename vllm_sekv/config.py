@@ -115,6 +115,21 @@ class SekvConfig:
     nvme_bytes: int = 64 << 30
     # Threads doing NVMe reads and writes in each worker.
     nvme_io_threads: int = 8
+    # The remote tier: a Redis (or Valkey) several servers share
+    # ("redis://[user:password@]host:port/db", "rediss://..." for TLS,
+    # "unix:///path/to/socket"; "" = none). Blocks are written behind once
+    # committed and read back when no local tier holds them; keys carry only
+    # content hashes and keyed digests under `remote_prefix`; values expire
+    # after `remote_ttl_s` (0: never; the Redis `maxmemory` policy decides).
+    # Servers sharing it must share `hash_secret`. `remote_timeout_ms` bounds
+    # each lookup on the scheduler thread, `remote_io_timeout_ms` each read or
+    # write batch of the worker's `remote_io_threads`.
+    remote_url: str = ""
+    remote_prefix: str = "sekv:"
+    remote_ttl_s: int = 0
+    remote_timeout_ms: int = 50
+    remote_io_timeout_ms: int = 2000
+    remote_io_threads: int = 4
     # Durability of the NVMe tier: "on" = a record is fsync-ed before its
     # rename and its folder after (a block reported written survives a power
     # loss), and the manifest's transactions are durable when they commit;
@@ -199,7 +214,8 @@ class SekvConfig:
     restore_codec: str = "exact"
 
     _SIZES = ("host_bytes", "nvme_bytes")
-    _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec", "hash_secret")
+    _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec", "hash_secret", "remote_url",
+                "remote_prefix")
     _FLOATS = ("anchor_alpha",)
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF}
@@ -274,6 +290,17 @@ class SekvConfig:
                 parse_codec(self.restore_codec)
             except ValueError as e:
                 raise ValueError(f"sekv config 'restore_codec': {e} (or 'router')") from None
+        if self.remote_url:
+            from vllm_sekv.store.remote import check_url
+
+            check_url(self.remote_url)
+            if not self.hash_secret:
+                raise ValueError("sekv config 'remote_url': servers sharing a remote tier must share "
+                                 "'hash_secret' (give the same SEKV_HASH_SECRET to every server)")
+        for key in ("remote_ttl_s", "remote_timeout_ms", "remote_io_timeout_ms", "remote_io_threads"):
+            if getattr(self, key) < (0 if key == "remote_ttl_s" else 1):
+                raise ValueError(f"sekv config '{key}': must be {'>= 0' if key == 'remote_ttl_s' else '> 0'}, "
+                                 f"got {getattr(self, key)}")
         if self.hash_secret and len(self.hash_secret.encode()) < 16:
             raise ValueError("sekv config 'hash_secret': at least 16 bytes, or \"\" for a generated one")
         if self.rerank_blocks and self.router_path:

@@ -8,14 +8,14 @@ from vllm_sekv.workspace.summaries import combine_heads
 
 def test_ranks_reports_combine_conservatively():
     a = SekvWorkerMeta(confirmed_step=7, failed_slots={1}, restore_seconds={"r": 0.2},
-                       nvme_completions=[("write", b"h1", True)])
+                       io_completions=[("write", b"h1", True)])
     b = SekvWorkerMeta(confirmed_step=5, failed_slots={4}, restore_seconds={"r": 0.3},
-                       nvme_completions=[("write", b"h1", False)])
+                       io_completions=[("write", b"h1", False)])
     m = a.aggregate(b)
     assert m.confirmed_step == 5  # confirmed when every rank finished it
     assert m.failed_slots == {1, 4}  # failed if any rank failed it
     assert m.restore_seconds == {"r": 0.3}  # as long as the slowest rank
-    assert len(m.nvme_completions) == 2  # every rank's, counted on the scheduler side
+    assert len(m.io_completions) == 2  # every rank's, counted on the scheduler side
 
 
 def test_probe_scores_of_each_ranks_heads_are_stacked_and_combine_like_one_rank():

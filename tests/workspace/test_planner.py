@@ -184,7 +184,7 @@ def test_history_spilled_to_nvme_is_read_back_before_it_is_restored():
     prefill_and_finish(eng, "a", history)
     writes = {op.block_hash for plan in eng.plans for op in plan.nvme_writes}
     assert len(writes) == 5
-    eng.planner.nvme_done([("write", h, True) for h in writes])
+    eng.planner.io_done([("write", h, True) for h in writes])
     prefill_and_finish(eng, "x", [9] * 40)  # another session pushes a's blocks off the host
     confirm_all_writes(eng)
     assert all(not r.restorable for r in eng.catalog.match_prefix(extend(history)))
@@ -194,7 +194,7 @@ def test_history_spilled_to_nvme_is_read_back_before_it_is_restored():
     reads = plan.nvme_reads
     assert {op.block_hash for op in reads} == writes
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None  # still reading
-    eng.planner.nvme_done([("read", op.block_hash, True) for op in reads])
+    eng.planner.io_done([("read", op.block_hash, True) for op in reads])
     # ... then the whole history.
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) == 40
     eng.planner.accept_restore("b", 40)
@@ -208,18 +208,18 @@ def test_a_failed_nvme_read_ends_the_match_there():
     history = list(range(1, 41))
     prefill_and_finish(eng, "a", history)
     writes = [op.block_hash for plan in eng.plans for op in plan.nvme_writes]
-    eng.planner.nvme_done([("write", h, True) for h in writes])
+    eng.planner.io_done([("write", h, True) for h in writes])
     prefill_and_finish(eng, "x", [9] * 40)
     confirm_all_writes(eng)
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None
     reads = [op.block_hash for op in eng.run({}).nvme_reads]
     bad = extend(history)[2]  # the third block's file is corrupt
-    eng.planner.nvme_done([("read", h, h != bad) for h in reads])
+    eng.planner.io_done([("read", h, h != bad) for h in reads])
     assert eng.planner.match("b", history + [7] * 8, "", None, 0) == 2 * BT
 
 
 def confirm_all_writes(eng):
-    eng.planner.nvme_done([("write", op.block_hash, True) for plan in eng.plans for op in plan.nvme_writes])
+    eng.planner.io_done([("write", op.block_hash, True) for plan in eng.plans for op in plan.nvme_writes])
 
 
 def extend(tokens, salt=""):
@@ -264,3 +264,38 @@ def test_a_request_id_used_again_before_the_last_ones_captures_are_confirmed_mix
     assert eng.admit("a2", a + [1] * 8, salt="tenant-a") == 40
     a_rows = eng.run({"a2": (40, 8)}).restores[0].host_rows
     assert set(a_rows.tolist()) == set(plan.capture_host_rows.tolist())
+
+
+def test_blocks_the_remote_tier_holds_are_read_into_host_slots_before_they_are_restored():
+    """A second server's planner: its catalog holds nothing of the history,
+    the shared store (here a set, as `RemoteTier.lookup` answers) holds it."""
+    first = Engine()
+    history = list(range(1, 41))
+    prefill_and_finish(first, "a", history)
+    shared = {rec.block_hash for rec in first.catalog.match_prefix(extend(history))}
+
+    def lookup(hashes, tenant, session_id):
+        return next((i for i, h in enumerate(hashes) if h not in shared), len(hashes))
+
+    eng = Engine()
+    eng.planner.remote_lookup = lookup
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None  # reading from the store
+    reads = eng.run({}).remote_reads
+    assert {op.block_hash for op in reads} == shared and len(reads) == 5
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) is None  # still reading
+    eng.planner.io_done([("remote_read", op.block_hash, op.block_hash != reads[3].block_hash) for op in reads])
+    # the block that failed its checks is a miss: the match stops before it, and it is not offered again
+    assert eng.planner.match("b", history + [7] * 8, "", None, 0) == 3 * BT
+    assert eng.planner.requests["b"].remote_promoted >= {op.block_hash for op in reads[:3]}
+    assert eng.planner.match("c", history + [8] * 8, "", None, 0) == 3 * BT
+
+
+def test_committed_blocks_are_written_to_the_remote_tier_and_stay_until_written():
+    eng = Engine(num_slots=5)
+    eng.planner.remote_lookup = lambda hashes, tenant, session_id: 0
+    prefill_and_finish(eng, "a", list(range(1, 41)))
+    writes = [op for plan in eng.plans for op in plan.remote_writes]
+    assert len(writes) == 5
+    assert eng.admit("b", [9] * 40) == 0 and not eng.run({"b": (0, 40)}).capture_host_rows.size  # all 5 busy
+    eng.planner.io_done([("remote_write", op.block_hash, True) for op in writes])
+    assert eng.admit("c", [8] * 40) == 0 and eng.run({"c": (0, 40)}).capture_host_rows.size  # written: they may go

@@ -42,9 +42,9 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     confirmed_step: int
     failed_slots: set[int] = field(default_factory=set)
     restore_seconds: dict[str, float] = field(default_factory=dict)
-    # NVMe operations finished since the last report: (kind, block hash, ok);
+    # NVMe and remote operations finished since the last report: (kind, block hash, ok);
     # one entry per rank, the scheduler side waits for all ranks.
-    nvme_completions: list[tuple[str, bytes, bool]] = field(default_factory=list)
+    io_completions: list[tuple[str, bytes, bool]] = field(default_factory=list)
     # Finished probes: req_id -> [rows, candidates] float32, one row per
     # (layer, query head) this rank holds (`sum over queries of softmax over
     # candidates`); ranks' rows are stacked.
@@ -81,7 +81,7 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
             confirmed_step=min(self.confirmed_step, other.confirmed_step),
             failed_slots=self.failed_slots | other.failed_slots,
             restore_seconds=seconds,
-            nvme_completions=self.nvme_completions + other.nvme_completions,
+            io_completions=self.io_completions + other.io_completions,
             scores={
                 req_id: np.concatenate([m.scores[req_id] for m in (self, other) if req_id in m.scores])
                 for req_id in self.scores.keys() | other.scores.keys()

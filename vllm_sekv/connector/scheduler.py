@@ -18,6 +18,7 @@ from vllm_sekv.config import SekvConfig
 from vllm_sekv.connector import head_start
 from vllm_sekv.connector.common import SekvMetadata, SekvWorkerMeta, block_bytes_per_rank, host_slots, nvme_layout, \
     record_layout
+from vllm_sekv.connector.remote_tier import RemoteTier
 from vllm_sekv.connector.views import ViewCoordinator
 from vllm_sekv.store import Tier, make_policy
 from vllm_sekv.store.nvme import DirLock, NvmeLayout
@@ -63,6 +64,7 @@ class SekvSchedulerSide:
         )
         for info in found:
             self.catalog.add_stored(info.block_hash, info.start_token, info.tenant.hex())
+        self.remote = RemoteTier(config, self.tenants) if config.remote_url else None
         self.planner = WorkspacePlanner(
             self.catalog,
             self.sessions,
@@ -72,6 +74,7 @@ class SekvSchedulerSide:
             world_size=world_size,
             probe_query_tokens=config.probe_query_tokens,
             record_surprisal=config.surprisal == "on",
+            remote_lookup=self.remote.lookup if self.remote is not None else None,
         )
         self.views = ViewCoordinator(
             config,
@@ -190,7 +193,7 @@ class SekvSchedulerSide:
             self.views.set_scores(req_id, rows)
         if meta.surprisal is not None:
             self.planner.note_surprisal(*meta.surprisal)
-        self.planner.nvme_done(meta.nvme_completions)
+        self.planner.io_done(meta.io_completions)
         self.planner.confirm(meta.confirmed_step, meta.failed_slots, self._tokens_of)
         self._open_params.clear()
 
@@ -209,9 +212,11 @@ class SekvSchedulerSide:
         if st is None:
             return False, None
         restored, cached = st.restored_tokens, max(st.cached_tokens, 0)
-        by_tier = {Tier.HOST.value: restored - st.nvme_read_tokens}
+        by_tier = {Tier.HOST.value: restored - st.nvme_read_tokens - st.remote_read_tokens}
         if self.nvme is not None:
             by_tier[Tier.NVME.value] = st.nvme_read_tokens
+        if self.remote is not None:
+            by_tier[Tier.REMOTE.value] = st.remote_read_tokens
         params: dict[str, Any] = {
             "restored_tokens": by_tier,  # by the tier each block came from
             "prefilled_tokens": st.num_prompt_tokens - cached,
@@ -234,17 +239,21 @@ class SekvSchedulerSide:
 
     def _note_session(self, st: Any) -> None:
         """Hand a finished request's session (and any the table let go) to
-        the manifest's writer thread; never waits."""
+        the manifest's and the remote tier's writer threads; never waits."""
         evicted = self.sessions.take_evicted()
-        if self._manifest is None:
-            return
-        for ws in evicted:
-            self._manifest.delete((ws.tenant, ws.session_id))
         ws = self.sessions.get(st.tenant, st.session_id) if st.session_id is not None else None
-        if ws is not None:
-            self._manifest.put(ws)
+        if self._manifest is not None:
+            for gone in evicted:
+                self._manifest.delete((gone.tenant, gone.session_id))
+            if ws is not None:
+                self._manifest.put(ws)
+        if self.remote is not None and ws is not None:
+            self.remote.put_session(ws)
 
     def shutdown(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         if self._manifest is not None:
             self._manifest.close()
             self._manifest = None

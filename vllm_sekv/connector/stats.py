@@ -29,6 +29,9 @@ _COUNTERS = {
     "nvme_written_blocks": "Blocks written to the NVMe tier",
     "nvme_read_blocks": "Blocks read back from the NVMe tier (checksum verified)",
     "nvme_failures": "NVMe reads or writes that failed (each a miss, recomputed)",
+    "remote_written_blocks": "Blocks written to the remote tier",
+    "remote_read_blocks": "Blocks read from the remote tier (identity and checksum verified)",
+    "remote_failures": "Remote reads, writes or lookups that failed (each a miss, recomputed)",
 }
 _SECONDS = "restore_seconds"
 

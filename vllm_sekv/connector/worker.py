@@ -80,6 +80,8 @@ from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.codecs import LowRankCodec, parse_codec
 from vllm_sekv.store.lowrank_tier import LowRankTier
 from vllm_sekv.store.nvme import RecordIO
+from vllm_sekv.store.remote import RedisStore
+from vllm_sekv.store.remote_io import RemoteIO
 from vllm_sekv.workspace.block_index import BlockIndex
 from vllm_sekv.workspace.plan import RestoreOp, StepPlan
 from vllm_sekv.workspace.router import FULL_RANK, load_router
@@ -101,6 +103,7 @@ class SekvWorkerSide:
         self.rope = compat.rope_spec(vllm_config)
         self.pool: HostPool | None = None
         self.records: RecordIO | None = None
+        self.remote: RemoteIO | None = None  # the remote tier's reads and writes (config `remote_url`)
         self.index: BlockIndex | None = None
         self.restores: DeviceRestores | None = None  # CUDA: copy-stream restores from the pinned pool
         # This step's facts still on the device (CUDA restore timings, paged
@@ -237,6 +240,12 @@ class SekvWorkerSide:
                                         self.config.nvme_io_threads, sync=self.config.nvme_sync == "on")
             except OSError as e:
                 raise ValueError(f"sekv config 'nvme_dir': cannot use {self.config.nvme_dir}: {e}") from e
+        if self.config.remote_url:
+            store = RedisStore(self.config.remote_url, self.config.remote_io_timeout_ms / 1000,
+                               self.config.remote_ttl_s)
+            self.remote = RemoteIO(store, self.pool.data, record_layout(self.config, self.vllm_config,
+                                                                        compat.worker_rank()),
+                                   self.config.remote_prefix, self.config.remote_io_threads)
 
     def _read_keys(self, slots: list[int]) -> torch.Tensor:
         """Keys of whole host slots on the index's device (the re-rank's
@@ -289,7 +298,8 @@ class SekvWorkerSide:
             self.coarse.finish(plan.coarse_finished)
         if self.lowrank:  # slots taking new bytes: their factors are stale
             bt = self.config.block_tokens
-            for slot in {*np.unique(plan.capture_host_rows // bt).tolist(), *(op.host_slot for op in plan.nvme_reads)}:
+            read = (*plan.nvme_reads, *plan.remote_reads)
+            for slot in {*np.unique(plan.capture_host_rows // bt).tolist(), *(op.host_slot for op in read)}:
                 for tier in self.lowrank.values():
                     tier.drop(slot)
         if self.index is not None and self.index.kind.uses_weights:
@@ -304,6 +314,11 @@ class SekvWorkerSide:
                                           plan.nvme_write_surprisal.get(op.host_slot))
             for op in plan.nvme_reads:
                 self.records.submit_read(op.block_hash, op.host_slot, op.start_token, tenant_bytes(op.tenant))
+        if self.remote is not None:
+            self.remote.submit_writes([(op.host_slot, op.block_hash, op.start_token, tenant_bytes(op.tenant))
+                                       for op in plan.remote_writes])
+            self.remote.submit_reads([(op.host_slot, op.block_hash, op.start_token, tenant_bytes(op.tenant))
+                                      for op in plan.remote_reads])
         if self.pool is not None:
             self._update_index(plan)
 
@@ -317,6 +332,7 @@ class SekvWorkerSide:
         device_index = self.index is not None and self.index.device.type == "cuda"
         host_restores = self.restores is None or any(op.lowrank for op in plan.restores)
         return bool((plan.restores and host_restores) or plan.coarse or plan.nvme_reads or plan.nvme_writes
+                    or plan.remote_reads or plan.remote_writes
                     or (not device_index and (plan.index_blocks or self._index_pending or plan.scores)))
 
     def _update_index(self, plan: StepPlan) -> None:
@@ -693,7 +709,7 @@ class SekvWorkerSide:
         reports, self._device_reports = self._device_reports, []
         self._unsettled += reports
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
-        nvme = self._drain_nvme()
+        io = self._drain_io()
         parts, self._read_surprisal = self._read_surprisal, []  # blocks read back: their records' surprisal
         if self.surprisal is not None:
             recorded = self.surprisal.take()
@@ -707,7 +723,7 @@ class SekvWorkerSide:
         if scores:
             self.stats.add("probes", len(scores))
         meta = SekvWorkerMeta(self._confirmed_step, self._failed_slots, self._restore_seconds,
-                              nvme, scores, surprisal, pending=reports)
+                              io, scores, surprisal, pending=reports)
         self._failed_slots, self._restore_seconds = set(), {}
         return meta
 
@@ -724,26 +740,30 @@ class SekvWorkerSide:
                 self._count_dropped(len(fact.failed()), "rows missing from the batch")
         self._unsettled = waiting
 
-    def _drain_nvme(self) -> list[tuple[str, bytes, bool]]:
-        if self.records is None:
-            return []
+    def _drain_io(self) -> list[tuple[str, bytes, bool]]:
+        """The NVMe and remote reads and writes finished since the last step:
+        (kind, block hash, ok) for the scheduler side; blocks read back are
+        indexed, their records' surprisal kept."""
+        done = (self.records.drain() if self.records is not None else []) + (
+            self.remote.drain() if self.remote is not None else [])
         out = []
-        for done in self.records.drain():
-            if done.ok and done.kind == "read":
-                self._index_pending[done.host_slot] = done.start_token
-                if done.surprisal is not None and len(done.surprisal) == self.config.block_tokens:
-                    rows = done.host_slot * self.config.block_tokens + np.arange(self.config.block_tokens)
-                    self._read_surprisal.append((rows, done.surprisal))
+        for c in done:
+            tier = "remote" if c.kind.startswith("remote") else "nvme"
+            if c.ok and c.kind.endswith("read"):
+                self._index_pending[c.host_slot] = c.start_token
+                if c.surprisal is not None and len(c.surprisal) == self.config.block_tokens:
+                    rows = c.host_slot * self.config.block_tokens + np.arange(self.config.block_tokens)
+                    self._read_surprisal.append((rows, c.surprisal))
                     if self.index is not None and self.index.kind.uses_weights:
-                        self._index_surprisal[done.host_slot] = done.surprisal
-                self.stats.add("nvme_read_blocks", 1)
-            elif done.ok:
-                self.stats.add("nvme_written_blocks", 1)
+                        self._index_surprisal[c.host_slot] = c.surprisal
+                self.stats.add(f"{tier}_read_blocks", 1)
+            elif c.ok:
+                self.stats.add(f"{tier}_written_blocks", 1)
             else:
-                self.stats.add("nvme_failures", 1)
-                logger.warning("sekv nvme: %s of block %s failed (%s); it is a miss and will be "
-                               "recomputed", done.kind, done.block_hash.hex()[:16], done.reason)
-            out.append((done.kind, done.block_hash, done.ok))
+                self.stats.add(f"{tier}_failures", 1)
+                logger.warning("sekv %s: %s of block %s failed (%s); it is a miss and will be recomputed",
+                               tier, c.kind.removeprefix("remote_"), c.block_hash.hex()[:16], c.reason)
+            out.append((c.kind, c.block_hash, c.ok))
         return out
 
     def take_stats(self) -> SekvStats | None:
@@ -757,6 +777,7 @@ class SekvWorkerSide:
         self._count_device_reports(wait=True)
         if self.capture_writer is not None:
             self.capture_writer.settle()
-        if self.records is not None:
-            self.records.drain(wait=True)
-            self.records.close()
+        for io in (self.records, self.remote):
+            if io is not None:
+                io.drain(wait=True)
+                io.close()

@@ -6,3 +6,4 @@ class Tier(str, enum.Enum):
     GPU = "gpu"
     HOST = "host"
     NVME = "nvme"
+    REMOTE = "remote"  # a store several servers share (Redis)

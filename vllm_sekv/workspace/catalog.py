@@ -15,7 +15,13 @@ host tier (`host_slot`), on the NVMe tier (`nvme`), or on both:
     catalog lists it in `take_deletes()`), and is forgotten if it has no host copy;
   * a matched NVMe-only block is *promoted*: it gets a host slot and stays
     `loading` until the worker's checked read is confirmed. A failed read
-    forgets the NVMe copy: the block is a miss and vLLM recomputes it.
+    forgets the NVMe copy: the block is a miss and vLLM recomputes it;
+  * with a remote tier (a store several servers share), a committed block is
+    also written there (`remote_writing` until the worker confirms; not a
+    victim meanwhile). The catalog does not track what the remote store
+    holds: a block found there at a match is added for the match
+    (`add_remote`) and promoted at once like an NVMe-only one; a failed read
+    forgets it.
 
 Only blocks that are committed, on the host and not loading are restorable.
 
@@ -53,7 +59,9 @@ class BlockRecord:
     committed: bool = False
     pins: int = 0
     nvme: NvmeState = NvmeState.NONE
-    loading: bool = False  # host copy being read from NVMe
+    loading: bool = False  # host copy being read from NVMe or the remote tier
+    remote: bool = False  # found in the remote tier (read from there when promoted)
+    remote_writing: bool = False  # being written to the remote tier
     # Filled by the capture planner:
     captured_tokens: int = 0  # tokens whose capture was handed to the worker
     last_capture_step: int = -1  # engine step that captured the last of them
@@ -209,7 +217,7 @@ class BlockCatalog:
 
     @staticmethod
     def _busy(rec: BlockRecord) -> bool:
-        return rec.pins > 0 or rec.loading or rec.nvme is NvmeState.WRITING
+        return rec.pins > 0 or rec.loading or rec.nvme is NvmeState.WRITING or rec.remote_writing
 
     def _skip_for(self, tenant: str | None):
         """Which committed blocks a victim may not be: busy ones, and (for a
@@ -237,6 +245,28 @@ class BlockCatalog:
         self._nvme_policy.insert(block_hash)
         return rec
 
+    def add_remote(self, block_hash: bytes, start_token: int, tenant: str) -> BlockRecord | None:
+        """A block the remote tier holds, for a match that will promote it
+        (None if this catalog knows the hash already)."""
+        if block_hash in self._by_hash:
+            return None
+        rec = BlockRecord(start_token=start_token, host_slot=None, tenant=tenant, block_hash=block_hash,
+                          committed=True, remote=True)
+        self._by_hash[block_hash] = rec
+        self._committed_count[tenant] += 1
+        return rec
+
+    def drop_unpromoted(self, records: Iterable[BlockRecord]) -> None:
+        """Forget remote records that a match added but could not promote."""
+        for rec in records:
+            if rec.remote and rec.host_slot is None and rec.nvme is NvmeState.NONE:
+                self._forget(rec)
+
+    def remote_write_done(self, block_hash: bytes) -> None:
+        rec = self._by_hash.get(block_hash)
+        if rec is not None:
+            rec.remote_writing = False
+
     def write_done(self, block_hash: bytes, ok: bool) -> None:
         rec = self._by_hash.get(block_hash)
         if rec is None or rec.nvme is not NvmeState.WRITING:
@@ -247,9 +277,10 @@ class BlockCatalog:
             self._drop_nvme_copy(rec, delete_file=False)
 
     def promote(self, rec: BlockRecord) -> bool:
-        """Give an NVMe-only block a host slot to be read into (it is `loading`
-        until `read_done`). False if the host tier has no slot to give."""
-        if rec.host_slot is not None or rec.nvme is not NvmeState.STORED:
+        """Give an NVMe-only or remote block a host slot to be read into (it
+        is `loading` until `read_done`). False if the host tier has no slot
+        to give."""
+        if rec.host_slot is not None or (rec.nvme is not NvmeState.STORED and not rec.remote):
             return rec.host_slot is not None
         rec.pins += 1  # not a victim while its slot is being taken
         slot = self._take_host_slot(rec.tenant)
@@ -267,9 +298,12 @@ class BlockCatalog:
         if rec is None or not rec.loading:
             return
         rec.loading = False
-        if not ok:  # the file is bad: forget it; the block is a miss
+        if not ok:  # the copy read is bad: forget it; the block is a miss
             self._drop_host_copy(rec)
-            self._drop_nvme_copy(rec, delete_file=True)
+            if rec.nvme is not NvmeState.NONE:
+                self._drop_nvme_copy(rec, delete_file=True)
+            else:
+                self._forget(rec)
 
     def take_deletes(self) -> list[bytes]:
         out, self._deletes = self._deletes, []

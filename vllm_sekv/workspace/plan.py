@@ -158,3 +158,7 @@ class StepPlan:
     # float32), kept in their records' headers; empty when not recorded.
     nvme_write_surprisal: dict[int, np.ndarray] = field(default_factory=dict)
     nvme_reads: list[RecordOp] = field(default_factory=list)
+    # The remote tier (a store several servers share): committed blocks to
+    # write behind, and blocks to read into their (promoted) host slots.
+    remote_writes: list[RecordOp] = field(default_factory=list)
+    remote_reads: list[RecordOp] = field(default_factory=list)

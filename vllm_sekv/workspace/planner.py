@@ -31,6 +31,7 @@ scheduled) per step.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -46,6 +47,8 @@ from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.views import PassKind, ViewPass
 
 TokenSource = Callable[[str], Sequence[int]]
+# (hashes in order, tenant, session id) -> how many leading ones the remote tier holds
+RemoteLookup = Callable[[list, str, "str | None"], int]
 
 
 def _prompt_key(prompt: Sequence[int], tenant: str, session_id: str | None, block_tokens: int) -> tuple:
@@ -67,6 +70,7 @@ class RequestState:
     match_first_block: int = 0  # ... this block index on
     waiting_pins: list[BlockRecord] = field(default_factory=list)  # held while NVMe reads run
     promoted: set[bytes] = field(default_factory=set)  # blocks read back from NVMe for it
+    remote_promoted: set[bytes] = field(default_factory=set)  # blocks read from the remote tier for it
     match_end_tokens: int = 0  # tokens the match reaches (local hit + workspace)
     pending_restore: RestoreOp | None = None
     restore_pins: dict[int, list[BlockRecord]] = field(default_factory=dict)  # step -> pinned
@@ -89,6 +93,7 @@ class RequestState:
     cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
     restored_tokens: int = 0
     nvme_read_tokens: int = 0  # of those, tokens read back from NVMe for this request
+    remote_read_tokens: int = 0  # of those, tokens read from the remote tier
     restore_seconds: float = 0.0
 
 
@@ -103,8 +108,14 @@ class WorkspacePlanner:
         world_size: int = 1,
         probe_query_tokens: int = 0,
         record_surprisal: bool = False,
+        remote_lookup: RemoteLookup | None = None,
     ) -> None:
         self.probe_query_tokens = probe_query_tokens
+        # The remote tier (a store several servers share): how many of some
+        # hashes it holds, in order; None without one. Blocks whose remote
+        # read failed are not offered again for a while.
+        self.remote_lookup = remote_lookup
+        self._remote_bad: dict[bytes, float] = {}
         # SeKV: per host row, the surprisal of the token it holds (NaN: unknown),
         # reported by the worker that computed it; None when not recorded.
         self.surprisal = (np.full((catalog.num_host_slots, block_tokens), np.nan, dtype=np.float32)
@@ -124,6 +135,8 @@ class WorkspacePlanner:
         self._index_queue: list[tuple[int, int]] = []
         self._write_queue: list[RecordOp] = []
         self._read_queue: list[RecordOp] = []
+        self._remote_write_queue: list[RecordOp] = []
+        self._remote_read_queue: list[RecordOp] = []
         self._coarse_finished: list[str] = []
         # Every rank holds its own share of a block: an NVMe operation is done
         # when all ranks report it. (kind, hash) -> ranks still to report.
@@ -148,8 +161,8 @@ class WorkspacePlanner:
         first = local_tokens // bt
         self.catalog.unpin(st.waiting_pins)
         st.waiting_pins = []
-        held = self.catalog.match_prefix(st.hashes[first:])
-        usable, reading = self._promote(held, st.promoted)
+        held = self._held(st, first)
+        usable, reading = self._promote(held, st)
         if reading:
             self.catalog.pin(held[:usable])
             st.waiting_pins = held[:usable]
@@ -160,9 +173,29 @@ class WorkspacePlanner:
         ext = st.match_end_tokens - local_tokens
         return ext if ext >= max(self.min_restore_tokens, 1) else 0
 
-    def _promote(self, held: list[BlockRecord], promoted: set[bytes]) -> tuple[int, bool]:
+    def _held(self, st: RequestState, first: int) -> list[BlockRecord]:
+        """The catalog's records of the prompt's blocks from `first` on, as
+        far as they reach; then those the remote tier holds after them."""
+        held = self.catalog.match_prefix(st.hashes[first:])
+        start = first + len(held)
+        if self.remote_lookup is None or start >= len(st.hashes):
+            return held
+        now = time.monotonic()
+        wanted = []
+        for h in st.hashes[start:]:
+            if self._remote_bad.get(h, 0.0) > now:
+                break
+            wanted.append(h)
+        for b in range(start, start + self.remote_lookup(wanted, st.tenant, st.session_id)):
+            rec = self.catalog.add_remote(st.hashes[b], b * self.block_tokens, st.tenant)
+            if rec is None:
+                break
+            held.append(rec)
+        return held
+
+    def _promote(self, held: list[BlockRecord], st: RequestState) -> tuple[int, bool]:
         """(leading blocks of `held` that are or will be on the host, whether
-        reads from NVMe are still running for some of them)."""
+        reads from NVMe or the remote tier are still running for some)."""
         self.catalog.pin(held)  # promotions must not evict the blocks before them
         usable, reading = 0, False
         try:
@@ -170,13 +203,20 @@ class WorkspacePlanner:
                 if rec.host_slot is None:
                     if not self.catalog.promote(rec):
                         break
-                    self._read_queue.append(RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant))
-                    self._io_pending[("read", rec.block_hash)] = self.world_size
-                    promoted.add(rec.block_hash)
+                    op = RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant)
+                    if rec.remote:
+                        self._remote_read_queue.append(op)
+                        self._io_pending[("remote_read", rec.block_hash)] = self.world_size
+                        st.remote_promoted.add(rec.block_hash)
+                    else:
+                        self._read_queue.append(op)
+                        self._io_pending[("read", rec.block_hash)] = self.world_size
+                        st.promoted.add(rec.block_hash)
                 reading = reading or rec.loading
                 usable += 1
         finally:
             self.catalog.unpin(held)
+            self.catalog.drop_unpromoted(held[usable:])
         return usable, reading
 
     def match_slots(self, req_id: str, num_external_tokens: int) -> np.ndarray | None:
@@ -218,6 +258,8 @@ class WorkspacePlanner:
         used = [st.matched[b] for b in used_blocks]
         st.nvme_read_tokens = sum(int(rows_of[b]) for b, rec in zip(used_blocks, used)
                                   if rec.block_hash in st.promoted) if st.promoted else 0
+        st.remote_read_tokens = sum(int(rows_of[b]) for b, rec in zip(used_blocks, used)
+                                    if rec.block_hash in st.remote_promoted) if st.remote_promoted else 0
         self.catalog.pin(used)
         self.catalog.touch(used)
         st.restore_pins[-1] = used  # re-keyed to the step that carries the restore
@@ -233,8 +275,8 @@ class WorkspacePlanner:
         self._hash_prompt(st, prompt_token_ids)
         self.catalog.unpin(st.waiting_pins + st.view_pins)
         st.waiting_pins, st.view_pins = [], []
-        held = self.catalog.match_prefix(st.hashes)
-        usable, reading = self._promote(held, st.promoted)
+        held = self._held(st, 0)
+        usable, reading = self._promote(held, st)
         self.catalog.pin(held[:usable])
         if reading:
             st.waiting_pins = held[:usable]
@@ -423,6 +465,8 @@ class WorkspacePlanner:
         if self.surprisal is not None:
             step.nvme_write_surprisal = {op.host_slot: self.surprisal[op.host_slot].copy() for op in step.nvme_writes}
         step.nvme_reads, self._read_queue = self._read_queue, []
+        step.remote_writes, self._remote_write_queue = self._remote_write_queue, []
+        step.remote_reads, self._remote_read_queue = self._remote_read_queue, []
         return step
 
     def _plan_surprisal(self, st: RequestState, first: int, count: int, offset: int,
@@ -539,9 +583,14 @@ class WorkspacePlanner:
                 del st.captures[b]
                 if self.catalog.commit(rec, st.hashes[b]):
                     self._index_queue.append((rec.host_slot, rec.start_token))
+                    op = RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant)
                     if rec.nvme is NvmeState.WRITING:
-                        self._write_queue.append(RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant))
+                        self._write_queue.append(op)
                         self._io_pending[("write", rec.block_hash)] = self.world_size
+                    if self.remote_lookup is not None:
+                        rec.remote_writing = True
+                        self._remote_write_queue.append(op)
+                        self._io_pending[("remote_write", rec.block_hash)] = self.world_size
         self._retired = [st for st in self._retired if st.captures or st.restore_pins]
 
     def _release_captures(self, st: RequestState, complete_blocks: int | None = None) -> None:
@@ -581,8 +630,10 @@ class WorkspacePlanner:
         self._retire(st)
         return st
 
-    def nvme_done(self, completions: Sequence[tuple[str, bytes, bool]]) -> None:
-        """Worker reports of NVMe operations: (kind, block hash, ok), one per rank."""
+    def io_done(self, completions: Sequence[tuple[str, bytes, bool]]) -> None:
+        """Worker reports of NVMe and remote operations: (kind, block hash,
+        ok), one per rank; an operation is done when every rank reported it
+        or one failed."""
         for kind, block_hash, ok in completions:
             key = (kind, block_hash)
             if key not in self._io_pending:
@@ -593,5 +644,17 @@ class WorkspacePlanner:
             del self._io_pending[key]
             if kind == "write":
                 self.catalog.write_done(block_hash, ok)
-            elif kind == "read":
+            elif kind in ("read", "remote_read"):
                 self.catalog.read_done(block_hash, ok)
+                if not ok and kind == "remote_read":
+                    self._note_remote_miss(block_hash)
+            elif kind == "remote_write":
+                self.catalog.remote_write_done(block_hash)
+
+    def _note_remote_miss(self, block_hash: bytes, hold_s: float = 60.0) -> None:
+        """A remote block that could not be read is not offered again for
+        `hold_s` (its key may exist with a value that fails its checks; the
+        block computed again overwrites it)."""
+        if len(self._remote_bad) >= 1 << 16:
+            self._remote_bad.pop(next(iter(self._remote_bad)))
+        self._remote_bad[block_hash] = time.monotonic() + hold_s

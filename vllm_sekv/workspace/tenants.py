@@ -32,6 +32,11 @@ class TenantKeys:
         self._key = hashlib.blake2b(secret, digest_size=32).digest()
         self._memo: dict[str, str] = {}
 
+    def session_digest(self, tenant: str, session_id: str) -> str:
+        """A keyed digest of one tenant's session id (what a shared store keeps)."""
+        return hashlib.blake2b(f"{tenant}\x00{session_id}".encode("utf-8"), key=self._key,
+                               person=b"sekv-session-v2", digest_size=16).hexdigest()
+
     def of(self, salt: str) -> str:
         """The tenant key of a client's cache salt (hex, 32 characters)."""
         key = self._memo.get(salt)
