@@ -227,8 +227,10 @@ class FaultRun:
         return folders[0] if folders else None
 
     def _records(self) -> list[Path]:
+        """The record files (regular files; a `junk` fault leaves others)."""
         folder = self._folder()
-        return sorted(folder.glob("blocks/*/*.blk")) if folder else []
+        paths = sorted(folder.glob("blocks/*/*.blk")) if folder else []
+        return [p for p in paths if p.is_file() and not p.is_symlink()]
 
     def inject(self, kind: str) -> bool:
         """Inject one fault; True if it killed the server (and restarted it)."""
@@ -287,8 +289,8 @@ class FaultRun:
                 (folder / "tmp" / f"junk-{rng.getrandbits(32)}").mkdir(parents=True, exist_ok=True)
             else:
                 did = False
-        except FileNotFoundError:
-            did = True  # the server removed it first: still a fault it had to take
+        except (FileNotFoundError, shutil.SpecialFileError):
+            did = True  # the server removed it first (or a junk fault replaced it): still a fault
         if did:
             self.counters.faults_injected += 1
             self.counters.faults_by_kind[kind] += 1

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = sessions(essay_text(max_chars=200_000))
     work = Path(tempfile.mkdtemp(prefix="sekv-faults-"))
-    run = FaultRun(model, work, args.seed, VLLM_ARGS, ENV, SEKV, log=log)
+    # The servers run a copy of the package as it is now: edits during a long run never reach a restart.
+    code = work / "code"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "vllm_sekv", code / "vllm_sekv")
+    shutil.copytree(Path(__file__).resolve().parents[2] / "triton_kernels", code / "vllm_sekv" / "triton_kernels")
+    env = {**ENV, "PYTHONPATH": str(code)}
+    run = FaultRun(model, work, args.seed, VLLM_ARGS, env, SEKV, log=log)
     t0 = time.time()
     try:
         run.compute_reference([s for session in steps for s in session])

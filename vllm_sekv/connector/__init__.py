@@ -113,6 +113,13 @@ class SekvConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping (with empty steps if need be) while blocks wait
+        to be written behind to the NVMe or remote tier: after a session's
+        last request its blocks still reach the tiers, where another server
+        or a restart finds them."""
+        return self._scheduler is not None and self._scheduler.planner.has_pending_writes()
+
     @property
     def views(self) -> Any:
         """The execution views' coordinator (scheduler side; None in workers)."""

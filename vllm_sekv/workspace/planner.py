@@ -142,6 +142,7 @@ class WorkspacePlanner:
         # when all ranks report it. (kind, hash) -> ranks still to report.
         self.world_size = world_size
         self._io_pending: dict[tuple[str, bytes], int] = {}
+        self._writes_in_flight = 0  # of those, writes (NVMe or remote)
 
     # ------------------------------------------------------------- matching
 
@@ -587,10 +588,12 @@ class WorkspacePlanner:
                     if rec.nvme is NvmeState.WRITING:
                         self._write_queue.append(op)
                         self._io_pending[("write", rec.block_hash)] = self.world_size
+                        self._writes_in_flight += 1
                     if self.remote_lookup is not None:
                         rec.remote_writing = True
                         self._remote_write_queue.append(op)
                         self._io_pending[("remote_write", rec.block_hash)] = self.world_size
+                        self._writes_in_flight += 1
         self._retired = [st for st in self._retired if st.captures or st.restore_pins]
 
     def _release_captures(self, st: RequestState, complete_blocks: int | None = None) -> None:
@@ -630,6 +633,11 @@ class WorkspacePlanner:
         self._retire(st)
         return st
 
+    def has_pending_writes(self) -> bool:
+        """Whether committed blocks still wait to be written to a tier (queued
+        for the worker, or handed to it and not yet reported)."""
+        return bool(self._write_queue or self._remote_write_queue or self._writes_in_flight)
+
     def io_done(self, completions: Sequence[tuple[str, bytes, bool]]) -> None:
         """Worker reports of NVMe and remote operations: (kind, block hash,
         ok), one per rank; an operation is done when every rank reported it
@@ -642,6 +650,8 @@ class WorkspacePlanner:
             if ok and self._io_pending[key] > 0:
                 continue  # other ranks still to report
             del self._io_pending[key]
+            if kind in ("write", "remote_write"):
+                self._writes_in_flight -= 1
             if kind == "write":
                 self.catalog.write_done(block_hash, ok)
             elif kind in ("read", "remote_read"):
