@@ -55,3 +55,24 @@ def test_a_second_server_on_the_folder_is_refused_and_a_damaged_manifest_only_se
     again = side(vllm_config, tmp_path)
     again.shutdown()
     assert list(tmp_path.glob("fp-*/manifest.sqlite.unreadable-*"))
+
+
+def test_a_remote_tier_that_is_down_at_start_up_does_not_stop_the_server(vllm_config):
+    from vllm_sekv.connector.scheduler import SekvSchedulerSide
+    from vllm_sekv.serving import free_port
+
+    config = SekvConfig.from_sources({"host_bytes": "64M", "remote_url": f"redis://127.0.0.1:{free_port()}/0",
+                                      "hash_secret": "sixteen bytes at least"}, environ={})
+    side = SekvSchedulerSide(config, vllm_config)  # nothing listens there
+    try:
+        assert side.remote.lookup([b"\x01" * 16], "tenant", None) == 0  # a miss, not an error
+        assert side.remote.failures == 1
+    finally:
+        side.shutdown()
+
+
+def test_a_remote_tier_needs_the_shared_secret():
+    with pytest.raises(ValueError, match="'remote_url'.*hash_secret"):
+        SekvConfig(remote_url="redis://127.0.0.1:6379/0")
+    with pytest.raises(ValueError, match="'remote_url'"):
+        SekvConfig(remote_url="memcached://x", hash_secret="sixteen bytes at least")
