@@ -289,8 +289,8 @@ class FaultRun:
                 (folder / "tmp" / f"junk-{rng.getrandbits(32)}").mkdir(parents=True, exist_ok=True)
             else:
                 did = False
-        except (FileNotFoundError, shutil.SpecialFileError):
-            did = True  # the server removed it first (or a junk fault replaced it): still a fault
+        except (OSError, shutil.Error):
+            did = True  # the server removed it first, a junk fault replaced it, the disk is full: still a fault
         if did:
             self.counters.faults_injected += 1
             self.counters.faults_by_kind[kind] += 1
