@@ -80,7 +80,7 @@ def read_throughput(url: str, blocks: int = 64) -> dict:
     pool = HostPool(2 * blocks, num_layers=30, block_tokens=32, kv_heads=3, head_dim=64, dtype=torch.bfloat16)
     pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
     layout = RecordLayout.of_pool(b"\x01" * 32, pool.data, 0)
-    io = RemoteIO(RedisStore(url, timeout_s=5), pool.data, layout, "bench:", threads=4, batch_blocks=8)
+    io = RemoteIO(RedisStore(url, timeout_s=5), pool.data, layout, "bench:", threads=2, batch_blocks=4)
     hashes = [i.to_bytes(16, "little") for i in range(blocks)]
     io.submit_writes([(i, h, 32 * i, b"\x02" * 16) for i, h in enumerate(hashes)])
     assert all(c.ok for c in io.drain(wait=True))

@@ -129,7 +129,7 @@ class SekvConfig:
     remote_ttl_s: int = 0
     remote_timeout_ms: int = 50
     remote_io_timeout_ms: int = 2000
-    remote_io_threads: int = 4
+    remote_io_threads: int = 2
     # Durability of the NVMe tier: "on" = a record is fsync-ed before its
     # rename and its folder after (a block reported written survives a power
     # loss), and the manifest's transactions are durable when they commit;

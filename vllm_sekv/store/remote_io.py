@@ -33,7 +33,7 @@ logger = logging.getLogger("vllm_sekv")
 
 class RemoteIO:
     def __init__(self, store: RemoteStore, pool_data: torch.Tensor, layout: RecordLayout, prefix: str,
-                 threads: int = 4, batch_blocks: int = 8) -> None:
+                 threads: int = 2, batch_blocks: int = 4) -> None:
         self.store, self.pool, self.layout, self.prefix = store, pool_data, layout, prefix
         self.batch_blocks = batch_blocks
         self.health = RemoteHealth()
