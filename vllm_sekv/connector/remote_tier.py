@@ -10,7 +10,8 @@ for each; the rest are asked for in pipelined batches, up to the first
 missing one. Every answer is a claim only: a block is served after the
 worker's read checked its record.
 
-Every call is bounded by `remote_timeout_ms`; a store that is down or slow
+A lookup takes about `remote_timeout_ms` at most (each call is bounded by it,
+and no batch starts after it); a store that is down or slow
 answers "none" (the blocks are prefilled) and is not asked again for a
 back-off (`RemoteHealth`). Session rows are written behind on a thread of
 their own (`put_session`); their keys are keyed digests (`TenantKeys`), and
@@ -24,6 +25,7 @@ import logging
 import queue
 import struct
 import threading
+import time
 
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.store.remote import RedisStore, RemoteHealth, RemoteUnavailable, record_key, session_key
@@ -33,12 +35,13 @@ from vllm_sekv.workspace.tenants import TenantKeys
 logger = logging.getLogger("vllm_sekv")
 
 _ROW = struct.Struct("<Q")  # a session row: its token count, then its block hashes
-LOOKUP_BATCH = 64
+LOOKUP_BATCH = 512
 
 
 class RemoteTier:
     def __init__(self, config: SekvConfig, tenants: TenantKeys, store: RedisStore | None = None) -> None:
         self.prefix = config.remote_prefix
+        self.budget_s = config.remote_timeout_ms / 1000
         self.tenants = tenants
         self.store = store or RedisStore(config.remote_url, config.remote_timeout_ms / 1000, config.remote_ttl_s)
         self.health = RemoteHealth()
@@ -52,6 +55,7 @@ class RemoteTier:
         if not hashes or not self.health.up():
             return 0
         try:
+            deadline = time.monotonic() + self.budget_s
             known = 0
             if session_id is not None:
                 row = self.store.get([self._session_key(tenant, session_id)])[0]
@@ -64,7 +68,7 @@ class RemoteTier:
                 held = self.store.contains([record_key(self.prefix, h, 0) for h in batch])
                 run = next((i for i, ok in enumerate(held) if not ok), len(held))
                 known += run
-                if run < len(batch):
+                if run < len(batch) or time.monotonic() > deadline:  # the rest: prefilled, not waited for
                     break
             self.health.ok()
             return known
