@@ -1,4 +1,4 @@
-"""Layers depend downward only (DESIGN.md): a lower layer never imports an upper one,
+"""Layers depend downward only (docs/architecture.md): a lower layer never imports an upper one,
 and workspace/, store/, ops and the kernels never import vLLM."""
 import ast
 from pathlib import Path

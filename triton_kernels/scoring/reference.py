@@ -8,7 +8,7 @@ grouped-query attention), the relevance of block b is
 
 Only the first `num_blocks` rows of the index take part (the index may be a
 preallocated buffer). "mean" is KVMEM's rule; "max" keeps the few retrieval heads
-that averaging drowns (DESIGN.md, "What one measurement already says").
+that averaging drowns (benchmarks/results/index_study.md).
 
 Runs on any device, float32 arithmetic, one layer at a time (peak extra memory
 about `q_heads * tokens * num_blocks * 4` bytes). Pure function: mutates nothing.
