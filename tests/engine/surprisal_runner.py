@@ -54,7 +54,7 @@ def main(spec_path: str, out_path: str) -> None:
     output = list(out.outputs[0].token_ids) if spec["mode"] == "sekv" else []
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
     hashes: list = []
-    extend_block_hashes(hashes, ids + output, side.planner.block_tokens, "")
+    extend_block_hashes(hashes, ids + output, side.planner.block_tokens, side.tenants.of(""))
     for _ in range(40):  # small steps carry commits, write-behind and completions
         llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], SamplingParams(max_tokens=1), use_tqdm=False)
         if spec["mode"] != "sekv" or not spec.get("nvme_dir"):
