@@ -41,7 +41,7 @@ ARGS = ["--texts", "2", "--heldout", "1", "--tokens", "1024", "--new-tokens", "3
 def test_calibrate_writes_a_loadable_router(tiny_model_dir, tmp_path, capsys):
     from vllm_sekv.calibrate import load_model
     from vllm_sekv.config import SekvConfig
-    from vllm_sekv.workspace.router import ZoomRouter, load_router
+    from vllm_sekv.index.router import ZoomRouter, load_router
 
     out, cache = str(tmp_path / "router.pt"), tmp_path / "cache"
     assert main(["calibrate", tiny_model_dir, "--out", out, "--cache-dir", str(cache), *ARGS]) == 0

@@ -1,6 +1,6 @@
 """The model fingerprint's weights digest: weights swapped under the same
 path give another fingerprint (another NVMe folder, records refused)."""
-from vllm_sekv.compat import weights_digest
+from vllm_sekv.model_identity import weights_digest
 
 
 def test_swapped_weights_change_the_digest_and_the_same_weights_keep_it(tmp_path):

@@ -1,22 +1,26 @@
 """Layers depend downward only (docs/architecture.md): a lower layer never imports an upper one,
-and workspace/, store/, ops and the kernels never import vLLM."""
+workspace/, index/, store/ and ops/ never import vLLM, and the connector's two sides never
+import each other (they share only `vllm_sekv.connector`)."""
 import ast
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SIDES = ("vllm_sekv.scheduler_side", "vllm_sekv.worker_side")
+ENTRY = ("vllm_sekv.plugin", "vllm_sekv.cli", "vllm_sekv.attention")
+UPPER_OF_POLICY = ("vllm_sekv.connector", "vllm_sekv.compat", "vllm_sekv.model_identity", *SIDES, *ENTRY, "vllm")
 # layer -> (folder or module path, imports it must not make)
-UPPER_OF_STORE = ("vllm_sekv.workspace", "vllm_sekv.connector", "vllm_sekv.attention",
-                  "vllm_sekv.plugin", "vllm_sekv.cli", "vllm_sekv.compat", "vllm")
 RULES = {
-    "triton_kernels": ("vllm_sekv.store", *UPPER_OF_STORE),
-    "vllm_sekv/ops": ("vllm_sekv.store", *UPPER_OF_STORE),
-    "vllm_sekv/store": UPPER_OF_STORE,
-    "vllm_sekv/workspace": ("vllm_sekv.connector", "vllm_sekv.attention", "vllm_sekv.plugin",
-                            "vllm_sekv.cli", "vllm_sekv.compat", "vllm"),
+    "vllm_sekv/ops": ("vllm_sekv.store", "vllm_sekv.index", "vllm_sekv.workspace", *UPPER_OF_POLICY),
+    "vllm_sekv/store": ("vllm_sekv.index", "vllm_sekv.workspace", *UPPER_OF_POLICY),
+    "vllm_sekv/index": ("vllm_sekv.workspace", *UPPER_OF_POLICY),
+    "vllm_sekv/workspace": UPPER_OF_POLICY,
+    "vllm_sekv/compat": ("vllm_sekv.connector", *SIDES, *ENTRY),
     "vllm_sekv/connector": ("vllm_sekv.plugin", "vllm_sekv.cli"),
-    "vllm_sekv/attention": ("vllm_sekv.connector", "vllm_sekv.plugin", "vllm_sekv.cli"),
+    "vllm_sekv/scheduler_side": ("vllm_sekv.worker_side", *ENTRY),
+    "vllm_sekv/worker_side": ("vllm_sekv.scheduler_side", *ENTRY),
+    "vllm_sekv/attention": ("vllm_sekv.connector", *SIDES, "vllm_sekv.plugin", "vllm_sekv.cli"),
 }
 
 
@@ -51,3 +55,15 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     (bad / "x.py").write_text("from vllm_sekv.connector import SekvConnector\nimport vllm\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert len(violations("vllm_sekv/store", RULES["vllm_sekv/store"])) == 2
+
+
+def test_module_names_are_unique_and_short():
+    """A file name says what it holds: no two modules share one, and none
+    grows past a reader's page count."""
+    names: dict[str, Path] = {}
+    for path in sorted((ROOT / "vllm_sekv").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        assert path.name not in names, f"{path.relative_to(ROOT)} and {names[path.name].relative_to(ROOT)}"
+        names[path.name] = path
+        assert len(path.read_text().splitlines()) <= 500, f"{path.relative_to(ROOT)} is over 500 lines"

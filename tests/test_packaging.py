@@ -1,5 +1,6 @@
-"""The kernels install as `vllm_sekv.triton_kernels`, never as a top-level
-`triton_kernels` (that name is OpenAI's package, which vLLM imports)."""
+"""The package installs what it needs: the kernels as part of `vllm_sekv.ops`,
+nothing at the top level beside `vllm_sekv` (a top-level `triton_kernels`
+would shadow OpenAI's package of that name, which vLLM imports)."""
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ def _find(module: str) -> str:
 
 
 def test_kernels_are_importable_under_the_plugin_namespace():
-    assert "triton_kernels" in _find("vllm_sekv.triton_kernels")
+    assert "vllm_sekv" in _find("vllm_sekv.ops.rope.scatter")
 
 
 def test_no_top_level_triton_kernels_from_this_project():

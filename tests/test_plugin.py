@@ -41,7 +41,7 @@ SEKV_FLAG = {"kv_connector": "sekv", "kv_role": "kv_both"}
 
 
 def test_the_connector_flag_alone_selects_the_sekv_scheduler(model_dir):
-    from vllm_sekv.compat import SCHEDULER_CLS
+    from vllm_sekv.compat.patches import SCHEDULER_CLS
 
     config = _engine_config(model_dir, kv_transfer_config=SEKV_FLAG)
     assert not config.scheduler_config.async_scheduling  # the CPU build schedules synchronously
@@ -54,8 +54,8 @@ def test_asynchronous_scheduling_gets_the_async_sekv_scheduler():
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_sekv.compat import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, sekv_scheduler_cls
-    from vllm_sekv.scheduler import SekvAsyncScheduler, SekvScheduler
+    from vllm_sekv.compat.patches import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, sekv_scheduler_cls
+    from vllm_sekv.scheduler_side.engine_scheduler import SekvAsyncScheduler, SekvScheduler
 
     assert sekv_scheduler_cls(True) == ASYNC_SCHEDULER_CLS and sekv_scheduler_cls(False) == SCHEDULER_CLS
     assert issubclass(SekvAsyncScheduler, AsyncScheduler) and not issubclass(SekvScheduler, AsyncScheduler)
@@ -75,7 +75,7 @@ def test_an_explicit_scheduler_is_left_alone(model_dir):
 def test_the_scheduler_caps_a_pass_through_vllms_own_prefill_hook():
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_sekv.scheduler import SekvScheduler
+    from vllm_sekv.scheduler_side.engine_scheduler import SekvScheduler
 
     # vLLM 0.32 calls `_reserve_prefill_lookahead` for every prefill chunk; the
     # sekv scheduler reaches its view cap through it.

@@ -5,13 +5,18 @@ import time
 
 import torch
 
-from vllm_sekv.sessions_cli import main, parse_age_s
+from vllm_sekv.cli import main as cli_main
+from vllm_sekv.cli.nvme_sessions import parse_age_s
 from vllm_sekv.store import HostPool
 from vllm_sekv.store.nvme import DirLock, NvmeLayout, RecordIO
 from vllm_sekv.store.records import RecordLayout
 from vllm_sekv.workspace.manifest import Manifest
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.tenants import TenantKeys, resolve_secret, tenant_bytes
+
+
+def main(argv):
+    return cli_main(["sessions", *argv])
 
 
 def h(i):
@@ -87,7 +92,7 @@ def test_commands_refuse_while_a_server_holds_the_folder(tmp_path, capsys):
     lock = DirLock(layout.lock_path).acquire()
     try:
         assert main(["list", "--nvme-dir", str(tmp_path)]) == 2
-        assert "in use by another" in capsys.readouterr().out
+        assert "in use by another" in capsys.readouterr().err
     finally:
         lock.release()
     assert main(["list", "--nvme-dir", str(tmp_path)]) == 0
@@ -96,3 +101,10 @@ def test_commands_refuse_while_a_server_holds_the_folder(tmp_path, capsys):
 
 def test_age_parsing():
     assert parse_age_s("7d") == 7 * 86400 and parse_age_s("30m") == 1800
+
+
+def test_delete_needs_a_session_or_the_whole_tenant(tmp_path, capsys):
+    make_folder(tmp_path)
+    assert main(["delete", "--nvme-dir", str(tmp_path)]) == 2
+    assert main(["delete", "--nvme-dir", str(tmp_path), "alice", "--all-of-tenant"]) == 2
+    assert "SESSION_ID or --all-of-tenant" in capsys.readouterr().err

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 from vllm_sekv.models import bundled, is_bundled, prepare_model
-from vllm_sekv.workspace import summaries as S
-from vllm_sekv.workspace.router import RouterGeometry, ZoomRouter, distillation_loss
+from vllm_sekv.index import block_summaries as S
+from vllm_sekv.index.router import RouterGeometry, ZoomRouter, distillation_loss
 from vllm_sekv.workspace.segment_summaries import summarize_segments, summary_token_weights
 from vllm_sekv.workspace.segments import DEFAULT_ALPHA, segment
 

@@ -70,7 +70,7 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 POLICIES = ("slru", "lru")
 RESTORE_MODES = ("auto", "layerwise", "batched")
-# Block summaries the views' index can use (`vllm_sekv.workspace.summaries`);
+# Block summaries the views' index can use (`vllm_sekv.index.block_summaries`);
 # those in SURPRISAL_SUMMARIES weight tokens by their surprisal and need
 # `surprisal` on.
 SURPRISAL_SUMMARIES = ("anchor_pre", "sub8a_pre", "wmean_pre", "wsub8_pre")
@@ -311,7 +311,7 @@ class SekvConfig:
                 raise ValueError("sekv config 'router_path': the zoom router scores surprisal-weighted "
                                  "summaries; set 'surprisal' to on")
             # torch is imported only when a router is configured; raises naming 'router_path'
-            from vllm_sekv.workspace.router import read_router_file
+            from vllm_sekv.index.router import read_router_file
 
             read_router_file(self.router_path)
 

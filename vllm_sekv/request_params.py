@@ -10,12 +10,13 @@ field:
 `parse` turns them into `RequestParams` or raises `RequestParamError` (a
 ValueError) that names the field and what it accepts; vLLM's request
 validation turns that into an HTTP 400 before the request reaches the engine
-(`compat.validate_requests_with`). Unknown `kv_transfer_params` keys are
+(`compat.install_request_validation`). Unknown `kv_transfer_params` keys are
 refused; other `vllm_xargs` keys belong to other plugins and are left alone.
-Pure functions, no vLLM imports.
+`of_request` reads them off a vLLM request. No vLLM imports.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -23,6 +24,8 @@ from vllm_sekv.config import SekvConfig
 
 KEYS = ("session_id", "view_tokens", "coarse")
 MAX_SESSION_ID_CHARS = 256
+
+logger = logging.getLogger("vllm_sekv")
 
 
 class RequestParamError(ValueError):
@@ -97,3 +100,18 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     if coarse is not None and not isinstance(coarse, bool):
         raise RequestParamError(f"{coarse_field}: expected true or false, got {coarse!r:.80}")
     return RequestParams(sid, view, coarse)
+
+
+def of_request(request: Any) -> "RequestParams":
+    """A request's own sekv parameters (`request_params.parse`): vLLM's
+    `session_id` field (0.32+), `kv_transfer_params` and `vllm_xargs`
+    (`sampling_params.extra_args`). Invalid ones were refused at the API
+    (`compat.install_request_validation`); one that reaches the engine core
+    anyway (it cannot refuse a request) is logged and the server's settings apply."""
+    sampling = getattr(request, "sampling_params", None)
+    extra = getattr(sampling, "extra_args", None) or {}
+    try:
+        return parse(getattr(request, "kv_transfer_params", None), extra, getattr(request, "session_id", None))
+    except RequestParamError as e:
+        logger.warning("sekv: request %s: %s; the server's settings apply", getattr(request, "request_id", "?"), e)
+        return RequestParams()

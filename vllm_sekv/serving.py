@@ -53,7 +53,7 @@ class LocalServer:
 
     def start(self, timeout_s: float = 600.0) -> "LocalServer":
         log = open(self.log_path, "wb")
-        # Run outside any source checkout: a checkout's top-level `triton_kernels/`
+        # Run outside any source checkout: a checkout's top-level `vllm_sekv/ops/`
         # folder on sys.path would shadow the package vLLM imports for MXFP4.
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,

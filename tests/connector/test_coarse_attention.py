@@ -1,4 +1,4 @@
-"""SeKV coarse attention on the worker (`connector/coarse.py`), against exact
+"""SeKV coarse attention on the worker (`worker_side/coarse_attention.py`), against exact
 attention: merging summaries into a view's attention must equal attending to
 the view's keys plus each summary repeated as many times as the tokens it
 stands for, with the summary built from the host pool exactly as specified
@@ -8,11 +8,11 @@ import math
 import numpy as np
 import torch
 
-from vllm_sekv.connector.coarse import CoarseAttention, StepRows
+from vllm_sekv.worker_side.coarse_attention import CoarseAttention, StepRows
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
-from vllm_sekv.triton_kernels.coarse.reference import attention_with_lse
-from vllm_sekv.workspace.plan import CoarseSummaries
+from vllm_sekv.ops.coarse.coarse_reference import attention_with_lse
+from vllm_sekv.workspace.step_plan import CoarseSummaries
 
 L, H, HQ, D, BT = 2, 2, 4, 8, 8
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sekv.compat import KVGeometry
-from vllm_sekv.connector.restores import DeviceRestores
+from vllm_sekv.model_identity import KVGeometry
+from vllm_sekv.worker_side.device_restores import DeviceRestores
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
 from vllm_sekv.store.capture import CaptureWriter
-from vllm_sekv.workspace.plan import RestoreOp
+from vllm_sekv.workspace.step_plan import RestoreOp
 
 LAYERS, BT, HEADS, D, SLOTS, PAGED = 3, 4, 2, 8, 40, 200
 ROPE = RopeSpec(inv_freq=1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), rotary_dim=D)

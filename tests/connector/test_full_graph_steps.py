@@ -11,13 +11,13 @@ import torch
 from vllm.config import CUDAGraphMode
 
 from vllm_sekv import compat
-from vllm_sekv.compat import KVGeometry
+from vllm_sekv.model_identity import KVGeometry
 from vllm_sekv.connector import SekvConnector
-from vllm_sekv.connector.probes import ProbeScorer
+from vllm_sekv.worker_side.probes import ProbeScorer
 from vllm_sekv.ops import RopeSpec
 from vllm_sekv.store import HostPool
-from vllm_sekv.workspace.block_index import BlockIndex
-from vllm_sekv.workspace.plan import ScoreOp
+from vllm_sekv.index.block_index import BlockIndex
+from vllm_sekv.workspace.step_plan import ScoreOp
 
 LAYERS, KV_HEADS, Q_HEADS, D, BT = 2, 2, 4, 8, 16
 ROPE = RopeSpec(inv_freq=1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), rotary_dim=D)

@@ -81,7 +81,7 @@ def test_a_restore_match_reaches_the_worker_once_per_request(model_dir):
 
     from vllm_sekv import plugin
     from vllm_sekv.config import SekvConfig
-    from vllm_sekv.connector.scheduler import SekvSchedulerSide
+    from vllm_sekv.scheduler_side.scheduler_connector import SekvSchedulerSide
 
     plugin.register()
     vllm_config = EngineArgs(model=model_dir, max_model_len=2048, kv_transfer_config={

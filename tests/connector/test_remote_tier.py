@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_server import RedisServer  # noqa: E402
 
 from vllm_sekv.config import SekvConfig  # noqa: E402
-from vllm_sekv.connector.remote_tier import RemoteTier  # noqa: E402
+from vllm_sekv.scheduler_side.remote_lookup import RemoteTier  # noqa: E402
 from vllm_sekv.store.remote import record_key  # noqa: E402
 from vllm_sekv.workspace.sessions import Workspace  # noqa: E402
 from vllm_sekv.workspace.tenants import TenantKeys  # noqa: E402

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sekv.compat import KVGeometry
+from vllm_sekv.model_identity import KVGeometry
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.connector.probes import ProbeScorer
-from vllm_sekv.connector.rerank import rerank
+from vllm_sekv.worker_side.probes import ProbeScorer
+from vllm_sekv.worker_side.rerank import rerank
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
-from vllm_sekv.workspace.block_index import BlockIndex
-from vllm_sekv.workspace.plan import ScoreOp
-from vllm_sekv.workspace.summaries import combine_heads
+from vllm_sekv.index.block_index import BlockIndex
+from vllm_sekv.workspace.step_plan import ScoreOp
+from vllm_sekv.index.block_summaries import combine_heads
 
 LAYERS, KV_HEADS, Q_HEADS, D, BT = 3, 2, 4, 16, 8
 ROPE = RopeSpec(inv_freq=1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), rotary_dim=D)

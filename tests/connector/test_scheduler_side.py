@@ -19,7 +19,7 @@ def vllm_config(model_dir):
 
 
 def side(vllm_config, nvme_dir):
-    from vllm_sekv.connector.scheduler import SekvSchedulerSide
+    from vllm_sekv.scheduler_side.scheduler_connector import SekvSchedulerSide
 
     return SekvSchedulerSide(SekvConfig.from_sources(
         {"host_bytes": "64M", "nvme_dir": str(nvme_dir), "nvme_bytes": "256M"}, environ={}), vllm_config)
@@ -58,7 +58,7 @@ def test_a_second_server_on_the_folder_is_refused_and_a_damaged_manifest_only_se
 
 
 def test_a_remote_tier_that_is_down_at_start_up_does_not_stop_the_server(vllm_config):
-    from vllm_sekv.connector.scheduler import SekvSchedulerSide
+    from vllm_sekv.scheduler_side.scheduler_connector import SekvSchedulerSide
     from vllm_sekv.serving import free_port
 
     config = SekvConfig.from_sources({"host_bytes": "64M", "remote_url": f"redis://127.0.0.1:{free_port()}/0",

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.connector.views import ViewCoordinator, ViewJob
-from vllm_sekv.workspace.plan import LowRankBlock
+from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator, ViewJob
+from vllm_sekv.workspace.step_plan import LowRankBlock
 from vllm_sekv.workspace.segments import Segments
-from vllm_sekv.workspace.views import ViewBudget, final_pass, first_pass
+from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
 
 ROUTER = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "router_smollm2.pt"
 BT = 16

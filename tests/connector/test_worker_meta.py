@@ -2,8 +2,8 @@
 import numpy as np
 import torch
 
-from vllm_sekv.connector.common import SekvWorkerMeta
-from vllm_sekv.workspace.summaries import combine_heads
+from vllm_sekv.connector.metadata import SekvWorkerMeta
+from vllm_sekv.index.block_summaries import combine_heads
 
 
 def test_ranks_reports_combine_conservatively():

@@ -61,7 +61,7 @@ def fake_full_graph_decode() -> None:
     "full_graph_decode" above)."""
     from types import SimpleNamespace
 
-    from vllm_sekv.connector.worker import SekvWorkerSide
+    from vllm_sekv.worker_side.worker_connector import SekvWorkerSide
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     start_load_kv, capture_kv = SekvWorkerSide.start_load_kv, SekvWorkerSide.capture_kv
@@ -89,7 +89,7 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     kwargs = {}
     if spec.get("hook_never_fires"):
-        from vllm_sekv.connector.worker import SekvWorkerSide
+        from vllm_sekv.worker_side.worker_connector import SekvWorkerSide
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         SekvWorkerSide.capture_kv = lambda self, layer, key, value, slot_mapping: None

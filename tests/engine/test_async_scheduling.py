@@ -46,9 +46,9 @@ def runs(tmp_path_factory, model_dir, essay) -> dict:
 
 def test_the_engines_ran_the_scheduler_asked_for(runs):
     for name in ("restore_async", "views_async"):
-        assert runs[name]["scheduler"] == {"class": "vllm_sekv.scheduler.SekvAsyncScheduler",
+        assert runs[name]["scheduler"] == {"class": "vllm_sekv.scheduler_side.engine_scheduler.SekvAsyncScheduler",
                                            "async_scheduling": True}
-    assert runs["views_sync"]["scheduler"] == {"class": "vllm_sekv.scheduler.SekvScheduler",
+    assert runs["views_sync"]["scheduler"] == {"class": "vllm_sekv.scheduler_side.engine_scheduler.SekvScheduler",
                                                "async_scheduling": False}
 
 

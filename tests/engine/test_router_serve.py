@@ -61,7 +61,7 @@ def test_the_router_selects_the_view(replies):
 def test_the_routers_tiers_set_the_rank_each_selected_block_moves_at(replies, model_dir):
     import json
 
-    from vllm_sekv.workspace.router import ZoomRouter
+    from vllm_sekv.index.router import ZoomRouter
 
     (routed, delta), (mean_k, _) = replies
     view = routed["kv_transfer_params"]["sekv"]["view"]

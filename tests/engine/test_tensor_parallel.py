@@ -10,7 +10,6 @@ each rank holding two of them.
 * A view's selection with two ranks equals the selection with one: each
   rank scores with its query heads, the scheduler side combines them.
 """
-import json
 import sys
 from pathlib import Path
 

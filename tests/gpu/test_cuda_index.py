@@ -7,7 +7,7 @@ import torch
 
 from vllm_sekv.ops import RopeSpec
 from vllm_sekv.store import HostPool
-from vllm_sekv.workspace.block_index import BlockIndex
+from vllm_sekv.index.block_index import BlockIndex
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

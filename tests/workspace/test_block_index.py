@@ -5,8 +5,8 @@ import torch
 
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
-from vllm_sekv.workspace import summaries
-from vllm_sekv.workspace.block_index import BlockIndex
+from vllm_sekv.index import block_summaries as summaries
+from vllm_sekv.index.block_index import BlockIndex
 
 
 def rope(head_dim=16, base=10000.0):

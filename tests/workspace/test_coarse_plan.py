@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from vllm_sekv.workspace.coarse import plan_summaries
+from vllm_sekv.workspace.coarse_plan import plan_summaries
 from vllm_sekv.workspace.segments import segment
 
 ALPHA = 2.0

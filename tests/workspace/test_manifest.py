@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from vllm_sekv.workspace.manifest import FORMAT_VERSION, Manifest, ManifestError, ManifestWriter, open_or_set_aside
+from vllm_sekv.workspace.manifest import Manifest, ManifestError, ManifestWriter, open_or_set_aside
 from vllm_sekv.workspace.sessions import SessionTable, Workspace
 
 

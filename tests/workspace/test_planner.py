@@ -95,7 +95,7 @@ def test_vllm_local_hit_is_not_restored_again():
 def test_the_slots_offered_at_the_match_are_the_ones_the_plan_restores(prompt_tokens, local):
     """What a worker's head start copies at the match (`match_slots`) is
     exactly what the step's restore reads, or the step would drop it."""
-    from vllm_sekv.workspace.plan import slot_runs_of_rows
+    from vllm_sekv.workspace.step_plan import slot_runs_of_rows
 
     eng = Engine()
     prefill_and_finish(eng, "a", list(range(1, 41)))

@@ -1,4 +1,4 @@
-"""SeKV zoom router (vllm_sekv.workspace.router): file round trip and validation,
+"""SeKV zoom router (vllm_sekv.index.router): file round trip and validation,
 parameter budget, learning on a synthetic problem, budgeted deterministic selection,
 and the `router_path` config key."""
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.workspace.router import (FILE_FORMAT, FILE_VERSION, FULL_RANK, PARAM_BUDGET_FRACTION,
+from vllm_sekv.index.router import (FILE_FORMAT, FILE_VERSION, FULL_RANK, PARAM_BUDGET_FRACTION,
                                         RouterGeometry, ZoomRouter, check_budget, distillation_loss,
                                         load_router, read_router_file)
 

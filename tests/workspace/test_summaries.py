@@ -1,11 +1,11 @@
-"""Block summaries and scoring (vllm_sekv.workspace.summaries) against direct computations."""
+"""Block summaries and scoring (vllm_sekv.index.block_summaries) against direct computations."""
 
 import math
 
 import pytest
 import torch
 
-from vllm_sekv.workspace import summaries as S
+from vllm_sekv.index import block_summaries as S
 
 BT, H, HQ, D = 32, 2, 6, 16          # block tokens, KV heads, query heads, head_dim (GQA 3:1)
 

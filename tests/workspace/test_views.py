@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from test_planner import BT, PAGED, Engine, prefill_and_finish
-from vllm_sekv.workspace.views import PassKind, ViewBudget, final_pass, first_pass
+from vllm_sekv.workspace.view_passes import PassKind, ViewBudget, final_pass, first_pass
 
 BUDGET = ViewBudget(block_tokens=8, view_tokens=96, sink_tokens=8, recent_tokens=16)  # 12 blocks
 
@@ -138,7 +138,7 @@ def test_planner_restores_a_view_with_rerope_and_saves_at_virtual_positions():
 
 
 def test_a_history_the_workspace_cannot_hold_is_served_from_its_end():
-    from vllm_sekv.workspace.views import truncated_pass
+    from vllm_sekv.workspace.view_passes import truncated_pass
 
     p = truncated_pass(num_prompt_tokens=1003, matched_blocks=5, budget=BUDGET)
     assert p.kind is PassKind.FINAL and p.history_blocks == (0,)

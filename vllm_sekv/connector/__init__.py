@@ -1,7 +1,10 @@
 """The `sekv` KV connector: a thin facade that dispatches on vLLM's role.
 
-One instance lives in the scheduler process (`SekvSchedulerSide`) and one in
-each worker (`SekvWorkerSide`); they share only `connector.common`.
+One instance lives in the scheduler process (`scheduler_side`) and one in
+each worker (`worker_side`). The two sides share only what this package
+holds: the per-step plan and report (`metadata`), the figures for vLLM's log
+and Prometheus (`stats`), and `head_start`, the in-process hand-over of a
+just-built plan to a worker that runs in the scheduler's own process.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.connector.common import SekvMetadata
+from vllm_sekv.connector.metadata import SekvMetadata
 from vllm_sekv.connector.stats import SekvPromMetrics, SekvStats
 
 
@@ -31,11 +34,11 @@ class SekvConnector(KVConnectorBase_V1):
                 "keep vLLM's default splitting_ops or run with --enforce-eager")
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_sekv.connector.scheduler import SekvSchedulerSide
+            from vllm_sekv.scheduler_side.scheduler_connector import SekvSchedulerSide
 
             self._scheduler = SekvSchedulerSide(self.config, vllm_config, kv_cache_config)
         else:
-            from vllm_sekv.connector.worker import SekvWorkerSide
+            from vllm_sekv.worker_side.worker_connector import SekvWorkerSide
 
             self._worker = SekvWorkerSide(self.config, vllm_config)
 

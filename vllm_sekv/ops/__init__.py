@@ -1,27 +1,26 @@
-"""Compute primitives, dispatched by device: Triton kernels on CUDA, the PyTorch
-references of `vllm_sekv.triton_kernels` elsewhere. Callers never pick an
-implementation themselves.
+"""Compute primitives, dispatched by device: Triton kernels on CUDA, their
+PyTorch references elsewhere. Callers never pick an implementation
+themselves. One operator, one folder: `rope/` (rotation, scatter, gather),
+`scoring/` (block-index scoring), `coarse/` (the SeKV merge), each kernel
+beside a reference with the same contract.
 
 * `rotate_keys(keys, delta_positions, rope)`: pure rotation (bit-identical to
-  the reference on CUDA, one launch; see `triton_kernels/rope/rotate.py`).
+  the reference on CUDA, one launch; see `vllm_sekv/ops/rope/rotate.py`).
 * `rotate_layer_keys_(keys, delta_positions, rope)`: the same rotation of
   `[layers, tokens, heads, head_dim]` keys, in place.
-* `score_blocks(queries, index, num_blocks=None, combine="max")`: Mean-K block
-  relevance `R[num_blocks]` float32 (see `triton_kernels/scoring/reference.py`).
 * `score_sub_blocks(queries, entries, layer, slots, valid)`: per query head,
   sum over queries of the softmax over candidate blocks of each block's
   logsumexp logit over its S index vectors, `[Hq, B]` float32 (see
-  `triton_kernels/scoring/sub_blocks.py`; the kernel takes S and D powers of two).
-* `select_blocks(scores, k, sink_blocks, recent_blocks, ...)`: sorted block ids.
+  `vllm_sekv/ops/scoring/sub_block_scoring.py`; the kernel takes S and D powers of two).
 * `scatter_rerope(staging, key_caches, value_caches, slot_mapping,
   delta_positions, rope, src_rows=None)`: staged blocks -> paged caches, K
-  re-RoPE'd (see `triton_kernels/rope/scatter_reference.py`).
+  re-RoPE'd (see `vllm_sekv/ops/rope/scatter_reference.py`).
 * `gather_rerope(key_caches, value_caches, slots, delta_positions, rope,
   out)`: paged caches -> a `[2, layers, n, kv_heads, head_dim]` capture
-  buffer, K re-RoPE'd (see `triton_kernels/rope/gather.py`).
+  buffer, K re-RoPE'd (see `vllm_sekv/ops/rope/gather.py`).
 * `coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)`:
   SeKV summaries merged into view attention by log-sum-exp (see
-  `triton_kernels/coarse/reference.py`).
+  `vllm_sekv/ops/coarse/coarse_reference.py`).
 
 Triton modules are imported lazily, so CPU-only installs never import Triton.
 """
@@ -31,12 +30,11 @@ from typing import Sequence
 
 import torch
 
-from vllm_sekv.triton_kernels.rope import reference as _rope_ref
-from vllm_sekv.triton_kernels.rope.reference import RopeSpec
-from vllm_sekv.triton_kernels.coarse import reference as _coarse_ref
-from vllm_sekv.triton_kernels.rope import scatter_reference as _scatter_ref
-from vllm_sekv.triton_kernels.scoring import reference as _scoring_ref
-from vllm_sekv.triton_kernels.scoring.select import select_blocks
+from vllm_sekv.ops.coarse import coarse_reference as _coarse_ref
+from vllm_sekv.ops.rope import rotate_reference as _rope_ref
+from vllm_sekv.ops.rope import scatter_reference as _scatter_ref
+from vllm_sekv.ops.rope.rope_spec import RopeSpec
+from vllm_sekv.ops.scoring import sub_block_reference as _scoring_ref
 
 
 _ROTATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,10 +46,10 @@ def _use_triton(tensor: torch.Tensor) -> bool:
 
 def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
     """Keys `[tokens, heads, head_dim]` rotated by `delta_positions [tokens]`
-    (a new tensor; see `reference.rotate_keys`). Triton on CUDA, reference
+    (a new tensor; see `rope.rotate_reference`). Triton on CUDA, reference
     elsewhere (bit-identical)."""
     if _use_triton(keys) and keys.dtype in _ROTATE_DTYPES:
-        from vllm_sekv.triton_kernels.rope import rotate
+        from vllm_sekv.ops.rope import rotate
 
         return rotate.rotate_keys(keys if keys.stride(-1) == 1 else keys.contiguous(), delta_positions, rope)
     return _rope_ref.rotate_keys(keys, delta_positions, rope)
@@ -61,7 +59,7 @@ def rotate_layer_keys_(keys: torch.Tensor, delta_positions: torch.Tensor, rope: 
     """Rotate `keys [layers, tokens, heads, head_dim]` by `delta_positions
     [tokens]` in place (every layer by the same deltas)."""
     if _use_triton(keys) and keys.dtype in _ROTATE_DTYPES and keys.stride(-1) == 1:
-        from vllm_sekv.triton_kernels.rope import rotate
+        from vllm_sekv.ops.rope import rotate
 
         rotate.rotate_keys(keys, delta_positions, rope, out=keys)
         return
@@ -70,24 +68,14 @@ def rotate_layer_keys_(keys: torch.Tensor, delta_positions: torch.Tensor, rope: 
     keys.copy_(_rope_ref.rotate_keys(flat, delta_positions, rope).reshape(tokens, layers, heads, dim).transpose(0, 1))
 
 
-def score_blocks(queries: torch.Tensor, index: torch.Tensor, num_blocks: int | None = None,
-                 combine: str = "max") -> torch.Tensor:
-    """Mean-K block scores; Triton on CUDA, reference elsewhere (same result)."""
-    if _use_triton(queries) and _use_triton(index):
-        from vllm_sekv.triton_kernels.scoring import kernel
-
-        return kernel.score_blocks(queries, index, num_blocks, combine)
-    return _scoring_ref.score_blocks(queries, index, num_blocks, combine)
-
-
 def score_sub_blocks(queries: torch.Tensor, entries: torch.Tensor, layer: int, slots: torch.Tensor,
                      valid: torch.Tensor) -> torch.Tensor:
     """Block-index scores of logsumexp summary kinds; Triton on CUDA, reference
     elsewhere (the same to about 1e-5 relative)."""
     if _use_triton(queries) and _use_triton(entries):
-        from vllm_sekv.triton_kernels.scoring import sub_blocks
+        from vllm_sekv.ops.scoring import sub_block_scoring
 
-        return sub_blocks.score_sub_blocks(queries, entries, layer, slots, valid)
+        return sub_block_scoring.score_sub_blocks(queries, entries, layer, slots, valid)
     return _scoring_ref.score_sub_blocks_reference(queries, entries, layer, slots, valid)
 
 
@@ -96,9 +84,9 @@ def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], va
                    src_rows: torch.Tensor | None = None) -> None:
     """Scatter + re-RoPE into paged caches; Triton on CUDA, reference elsewhere."""
     if _use_triton(staging) and key_caches and _use_triton(key_caches[0]):
-        from vllm_sekv.triton_kernels.rope import kernel
+        from vllm_sekv.ops.rope import scatter
 
-        return kernel.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
+        return scatter.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
     return _scatter_ref.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
 
 
@@ -106,7 +94,7 @@ def gather_rerope(key_caches: Sequence[torch.Tensor], value_caches: Sequence[tor
                   delta_positions: torch.Tensor | None, rope: RopeSpec, out: torch.Tensor) -> torch.Tensor:
     """Paged caches -> capture buffer, K re-RoPE'd; Triton on CUDA (bit-identical), reference elsewhere."""
     if _use_triton(out) and key_caches and _use_triton(key_caches[0]) and out.dtype in _ROTATE_DTYPES:
-        from vllm_sekv.triton_kernels.rope import gather
+        from vllm_sekv.ops.rope import gather
 
         return gather.gather_rerope(key_caches, value_caches, slots, delta_positions, rope, out)
     return _scatter_ref.gather_rerope(key_caches, value_caches, slots, delta_positions, rope, out)
@@ -117,11 +105,11 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """SeKV coarse-attention merge; Triton on CUDA, reference elsewhere (same result)."""
     if _use_triton(q):
-        from vllm_sekv.triton_kernels.coarse import kernel
+        from vllm_sekv.ops.coarse import coarse_kernel
 
-        return kernel.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
+        return coarse_kernel.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
     return _coarse_ref.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
 
 
-__all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_blocks", "score_sub_blocks", "select_blocks", "scatter_rerope",
-           "gather_rerope", "coarse_merge"]
+__all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_sub_blocks", "scatter_rerope", "gather_rerope",
+           "coarse_merge"]

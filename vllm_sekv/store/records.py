@@ -60,7 +60,7 @@ def record_bytes(payload_bytes: int) -> int:
 
 
 def fingerprint_digest(fingerprint: dict) -> bytes:
-    """32 bytes that name a model fingerprint (`compat.model_fingerprint`)."""
+    """32 bytes that name a model fingerprint (`model_identity.model_fingerprint`)."""
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).digest()
 
 

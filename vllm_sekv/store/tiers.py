@@ -3,7 +3,6 @@ import enum
 
 
 class Tier(str, enum.Enum):
-    GPU = "gpu"
     HOST = "host"
     NVME = "nvme"
     REMOTE = "remote"  # a store several servers share (Redis)

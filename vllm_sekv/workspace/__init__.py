@@ -1,6 +1,7 @@
-"""Sessions, blocks, the block catalog, planning and the block index. No vLLM imports.
+"""The workspace's policy: sessions, tenants, the block catalog, content
+hashes, the planner and the plans it returns, execution-view passes,
+surprisal segments and the manifest of an NVMe folder.
 
-The catalog, sessions and planner run in the scheduler process and know tokens,
-hashes and slot ids, never bytes. The block index is computed where the keys
-are (the worker process) from the host pool.
+Runs in the scheduler process and knows tokens, hashes and slot ids, never
+bytes. No vLLM imports; the connector's scheduler side drives it.
 """

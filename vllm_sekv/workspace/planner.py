@@ -31,70 +31,24 @@ scheduled) per step.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import PrefixHashMemo, extend_block_hashes
-from vllm_sekv.workspace.coarse import CoarsePlan
-from vllm_sekv.workspace.plan import (
-    CoarseOp, CoarseSummaries, LowRankBlock, RecordOp, RestoreOp, ScoreOp, StepPlan, SurprisalOp,
+from vllm_sekv.workspace.coarse_plan import CoarsePlan
+from vllm_sekv.workspace.step_plan import (
+    CoarseOp, LowRankBlock, RestoreOp, StepPlan,
 )
+from vllm_sekv.workspace.request_state import RequestState, prompt_key
 from vllm_sekv.workspace.sessions import SessionTable
-from vllm_sekv.workspace.views import PassKind, ViewPass
+from vllm_sekv.workspace.tier_queues import TierQueues
+from vllm_sekv.workspace.view_passes import PassKind, ViewPass
 
 TokenSource = Callable[[str], Sequence[int]]
 # (hashes in order, tenant, session id) -> how many leading ones the remote tier holds
 RemoteLookup = Callable[[list, str, "str | None"], int]
-
-
-def _prompt_key(prompt: Sequence[int], tenant: str, session_id: str | None, block_tokens: int) -> tuple:
-    """What tells one request's prompt from another's under the same id (cheap:
-    its tenant, session, length and first and last block)."""
-    return (tenant, session_id, len(prompt), tuple(prompt[:block_tokens]), tuple(prompt[-block_tokens:]))
-
-
-@dataclass
-class RequestState:
-    req_id: str
-    tenant: str  # tenant key (`workspace.tenants`): the root of its block hashes
-    session_id: str | None
-    num_prompt_tokens: int
-    key: tuple = ()  # `_prompt_key` of the prompt it was created for
-    hashes: list[bytes] = field(default_factory=list)  # of full blocks known so far
-    paged_block_ids: list[int] = field(default_factory=list)
-    matched: list[BlockRecord] = field(default_factory=list)  # restorable blocks from ...
-    match_first_block: int = 0  # ... this block index on
-    waiting_pins: list[BlockRecord] = field(default_factory=list)  # held while NVMe reads run
-    promoted: set[bytes] = field(default_factory=set)  # blocks read back from NVMe for it
-    remote_promoted: set[bytes] = field(default_factory=set)  # blocks read from the remote tier for it
-    match_end_tokens: int = 0  # tokens the match reaches (local hit + workspace)
-    pending_restore: RestoreOp | None = None
-    restore_pins: dict[int, list[BlockRecord]] = field(default_factory=dict)  # step -> pinned
-    captures: dict[int, BlockRecord] = field(default_factory=dict)  # block index -> reserved
-    skip_blocks: set[int] = field(default_factory=set)  # not ours to capture
-    capture_broken: bool = False  # the tier was full: stop reserving
-    finished: bool = False
-    # Execution views: the current pass, and the blocks pinned for the whole
-    # request (its history, from the first match to the end).
-    view: ViewPass | None = None
-    view_virtual: np.ndarray | None = None  # virtual position of each of the view's history tokens
-    view_pins: list[BlockRecord] = field(default_factory=list)
-    # SeKV coarse attention of the current view: on while `coarse`; the
-    # summaries go to the worker with the view's first step.
-    coarse: bool = False
-    coarse_pending: CoarseSummaries | None = None
-    # SeKV lowrank restores of the current view: virtual block -> rank and pieces.
-    view_lowrank: dict[int, LowRankBlock] = field(default_factory=dict)
-    # Figures reported back in the response's kv_transfer_params.
-    cached_tokens: int = -1  # prompt tokens not computed: vLLM's hit + restored
-    restored_tokens: int = 0
-    nvme_read_tokens: int = 0  # of those, tokens read back from NVMe for this request
-    remote_read_tokens: int = 0  # of those, tokens read from the remote tier
-    restore_seconds: float = 0.0
 
 
 class WorkspacePlanner:
@@ -115,7 +69,6 @@ class WorkspacePlanner:
         # hashes it holds, in order; None without one. Blocks whose remote
         # read failed are not offered again for a while.
         self.remote_lookup = remote_lookup
-        self._remote_bad: dict[bytes, float] = {}
         # SeKV: per host row, the surprisal of the token it holds (NaN: unknown),
         # reported by the worker that computed it; None when not recorded.
         self.surprisal = (np.full((catalog.num_host_slots, block_tokens), np.nan, dtype=np.float32)
@@ -133,16 +86,9 @@ class WorkspacePlanner:
         self._next_step = 0
         self._confirmed_step = -1
         self._index_queue: list[tuple[int, int]] = []
-        self._write_queue: list[RecordOp] = []
-        self._read_queue: list[RecordOp] = []
-        self._remote_write_queue: list[RecordOp] = []
-        self._remote_read_queue: list[RecordOp] = []
         self._coarse_finished: list[str] = []
-        # Every rank holds its own share of a block: an NVMe operation is done
-        # when all ranks report it. (kind, hash) -> ranks still to report.
         self.world_size = world_size
-        self._io_pending: dict[tuple[str, bytes], int] = {}
-        self._writes_in_flight = 0  # of those, writes (NVMe or remote)
+        self.transfers = TierQueues(catalog, world_size)
 
     # ------------------------------------------------------------- matching
 
@@ -181,12 +127,7 @@ class WorkspacePlanner:
         start = first + len(held)
         if self.remote_lookup is None or start >= len(st.hashes):
             return held
-        now = time.monotonic()
-        wanted = []
-        for h in st.hashes[start:]:
-            if self._remote_bad.get(h, 0.0) > now:
-                break
-            wanted.append(h)
+        wanted = self.transfers.offered_remote(st.hashes[start:])
         for b in range(start, start + self.remote_lookup(wanted, st.tenant, st.session_id)):
             rec = self.catalog.add_remote(st.hashes[b], b * self.block_tokens, st.tenant)
             if rec is None:
@@ -204,15 +145,8 @@ class WorkspacePlanner:
                 if rec.host_slot is None:
                     if not self.catalog.promote(rec):
                         break
-                    op = RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant)
-                    if rec.remote:
-                        self._remote_read_queue.append(op)
-                        self._io_pending[("remote_read", rec.block_hash)] = self.world_size
-                        st.remote_promoted.add(rec.block_hash)
-                    else:
-                        self._read_queue.append(op)
-                        self._io_pending[("read", rec.block_hash)] = self.world_size
-                        st.promoted.add(rec.block_hash)
+                    self.transfers.queue_read(rec)
+                    (st.remote_promoted if rec.remote else st.promoted).add(rec.block_hash)
                 reading = reading or rec.loading
                 usable += 1
         finally:
@@ -244,7 +178,7 @@ class WorkspacePlanner:
         positions = np.arange(
             st.match_end_tokens - num_external_tokens, st.match_end_tokens, dtype=np.int64
         )
-        host_rows, deltas, blocks = self._view_sources(st, positions)
+        host_rows, deltas, blocks = st.view_sources(positions, self.block_tokens)
         st.pending_restore = RestoreOp(
             req_id, np.zeros(0, np.int64), host_rows, deltas if deltas.any() else None,
             st.view.kind.value if st.view is not None else "", int(positions[0]),
@@ -292,7 +226,7 @@ class WorkspacePlanner:
         client's to choose (vLLM can be told not to randomize them): a state
         is only ever reused for the same live request, never for a later one
         that repeats the id, for another tenant or with another prompt."""
-        key = _prompt_key(prompt_token_ids, tenant, session_id, self.block_tokens)
+        key = prompt_key(prompt_token_ids, tenant, session_id, self.block_tokens)
         st = self.requests.get(req_id)
         if st is not None and st.key == key and not st.finished:
             return st
@@ -345,42 +279,13 @@ class WorkspacePlanner:
         if st.coarse:
             self._coarse_finished.append(req_id)
         st.coarse = coarse is not None and coarse.num_summaries > 0
-        st.coarse_pending = self._coarse_summaries(st, coarse, view) if st.coarse else None
+        st.coarse_pending = st.coarse_summaries(coarse, view, self.block_tokens) if st.coarse else None
         st.view_lowrank = dict(lowrank or {})
         st.view, st.view_virtual = view, positions
         st.paged_block_ids, st.skip_blocks, st.capture_broken = [], set(), False
         st.pending_restore, st.cached_tokens = None, -1
         st.match_end_tokens = view.history_tokens
         return view.history_tokens
-
-    def _coarse_summaries(self, st: RequestState, plan: CoarsePlan, view: ViewPass) -> CoarseSummaries:
-        bt = self.block_tokens
-        slots = np.array([rec.host_slot for rec in st.matched], dtype=np.int64)
-        if len(plan.positions) and plan.positions[-1] >= len(slots) * bt:
-            raise ValueError(f"request {st.req_id}: summaries of tokens the match does not hold")
-        rows = slots[plan.positions // bt] * bt + plan.positions % bt
-        return CoarseSummaries(rows, plan.positions, plan.summary_of, plan.surprisal,
-                               plan.summary_positions, plan.num_tokens, view.history_tokens)
-
-    def _view_sources(self, st: RequestState, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Host rows, re-RoPE deltas (view - virtual) and the index in
-        `st.matched` of the block of each row, restoring view `positions`."""
-        bt = self.block_tokens
-        if st.view is None:  # same positions: block i of the match restores block first + i
-            virtual = positions
-            deltas = np.zeros(len(positions), dtype=np.int64)
-        else:  # st.matched starts at block 0: view position -> virtual position
-            virtual = st.view_virtual[positions]
-            deltas = positions - virtual
-        index = virtual // bt
-        if st.view is None:
-            index -= st.match_first_block
-        if len(index) and (index.min() < 0 or index.max() >= len(st.matched)):
-            raise ValueError(f"request {st.req_id}: restore beyond the matched blocks")
-        rows = np.array([rec.host_slot for rec in st.matched], dtype=np.int64).take(index)
-        rows *= bt  # in place: at 64K rows each temporary array costs more than the arithmetic
-        rows += virtual % bt
-        return rows, deltas, index
 
     # ------------------------------------------------------- per-step planning
 
@@ -397,17 +302,6 @@ class WorkspacePlanner:
             st.paged_block_ids = list(block_ids)
         else:
             st.paged_block_ids.extend(block_ids)
-
-    def _paged_slots(self, st: RequestState, positions: np.ndarray) -> np.ndarray:
-        """vLLM's paged slot of each of the request's `positions`. Converts
-        only the block ids they fall in (a decode step: one of thousands)."""
-        pbs = self.paged_block_size
-        blocks = positions // pbs
-        if not len(blocks):
-            return blocks
-        first, last = int(blocks.min()), int(blocks.max())
-        ids = np.asarray(st.paged_block_ids[first:last + 1], dtype=np.int64)
-        return ids[blocks - first] * pbs + positions % pbs
 
     def plan_step(
         self, scheduled: dict[str, tuple[int, int]], tokens_of: TokenSource
@@ -428,19 +322,18 @@ class WorkspacePlanner:
             if st.pending_restore is not None:
                 op = st.pending_restore
                 start = st.match_end_tokens - len(op.host_rows)
-                op.paged_slots = self._paged_slots(
-                    st, np.arange(start, st.match_end_tokens, dtype=np.int64)
-                )
+                op.paged_slots = st.paged_slots(self.paged_block_size,
+                                                np.arange(start, st.match_end_tokens, dtype=np.int64))
                 step.restores.append(op)
                 st.restore_pins[step.step_id] = st.restore_pins.pop(-1, [])
                 st.pending_restore = None
             if st.coarse:
                 positions = np.arange(first, first + count, dtype=np.int64)
-                step.coarse.append(CoarseOp(req_id, self._paged_slots(st, positions), positions,
+                step.coarse.append(CoarseOp(req_id, st.paged_slots(self.paged_block_size, positions), positions,
                                             st.coarse_pending))
                 st.coarse_pending = None
             if st.view is not None and st.view.kind is PassKind.PROBE:
-                score = self._plan_score(st, first, count)
+                score = st.score_op(first, count, self.block_tokens, self.paged_block_size, self.probe_query_tokens)
                 if score is not None:
                     step.scores.append(score)
                 continue  # a probe's tokens see a truncated history: never saved
@@ -448,11 +341,12 @@ class WorkspacePlanner:
             rows = self._plan_capture(st, first + offset, count, step.step_id, tokens_of)
             if rows is not None:
                 positions, host_rows = rows
-                src.append(self._paged_slots(st, positions - offset))
+                src.append(st.paged_slots(self.paged_block_size, positions - offset))
                 dst.append(host_rows)
                 deltas.append(np.full(len(positions), offset, dtype=np.int64))
                 if self.surprisal is not None:
-                    step.surprisal.append(self._plan_surprisal(st, first, count, offset, positions, host_rows))
+                    step.surprisal.append(st.surprisal_op(first, count, offset, positions, host_rows,
+                                                         self.paged_block_size))
         if src:
             step.capture_paged_slots = np.concatenate(src)
             step.capture_host_rows = np.concatenate(dst)
@@ -462,54 +356,15 @@ class WorkspacePlanner:
         if self.surprisal is not None:
             step.index_surprisal = {slot: self.surprisal[slot].copy() for slot, _ in step.index_blocks}
         step.nvme_deletes = self.catalog.take_deletes()
-        step.nvme_writes, self._write_queue = self._write_queue, []
+        self.transfers.fill(step)
         if self.surprisal is not None:
             step.nvme_write_surprisal = {op.host_slot: self.surprisal[op.host_slot].copy() for op in step.nvme_writes}
-        step.nvme_reads, self._read_queue = self._read_queue, []
-        step.remote_writes, self._remote_write_queue = self._remote_write_queue, []
-        step.remote_reads, self._remote_read_queue = self._remote_read_queue, []
         return step
-
-    def _plan_surprisal(self, st: RequestState, first: int, count: int, offset: int,
-                        captured: np.ndarray, host_rows: np.ndarray) -> SurprisalOp:
-        """All `count` tokens the request computes from `first` (its own
-        positions): each one's predecessor predicts it; the captured ones keep
-        the result at their host rows."""
-        rows = np.full(count, -1, dtype=np.int64)
-        rows[captured - offset - first] = host_rows
-        return SurprisalOp(st.req_id, self._paged_slots(st, np.arange(first, first + count, dtype=np.int64)),
-                           rows, first + offset)
 
     def note_surprisal(self, host_rows: np.ndarray, values: np.ndarray) -> None:
         """The worker's surprisal of tokens it captured (row = slot * block_tokens + offset)."""
         if self.surprisal is not None and len(host_rows):
             self.surprisal.reshape(-1)[host_rows] = values
-
-    def _plan_score(self, st: RequestState, first: int, count: int) -> ScoreOp | None:
-        """The probe's queries in [first, first + count): the last
-        `probe_query_tokens` of its tail score its candidate blocks."""
-        view = st.view
-        tail_end = view.history_tokens + view.tail_tokens
-        lo = view.history_tokens
-        if self.probe_query_tokens:
-            lo = max(lo, tail_end - self.probe_query_tokens)
-        lo, hi = max(lo, first), min(tail_end, first + count)
-        last = first + count >= view.num_tokens - 1
-        if hi <= lo and not last:
-            return None
-        positions = np.arange(lo, max(hi, lo), dtype=np.int64)
-        bt = self.block_tokens
-        return ScoreOp(
-            req_id=st.req_id,
-            query_paged_slots=self._paged_slots(st, positions),
-            query_positions=positions,
-            candidate_slots=np.array(
-                [st.matched[b].host_slot for b in view.candidates], dtype=np.int64
-            ),
-            candidate_starts=np.array(view.candidates, dtype=np.int64) * bt,
-            last=last,
-            query_virtual_offset=view.tail_offset,
-        )
 
     def _plan_capture(
         self, st: RequestState, first: int, count: int, step_id: int, tokens_of: TokenSource
@@ -584,16 +439,8 @@ class WorkspacePlanner:
                 del st.captures[b]
                 if self.catalog.commit(rec, st.hashes[b]):
                     self._index_queue.append((rec.host_slot, rec.start_token))
-                    op = RecordOp(rec.block_hash, rec.host_slot, rec.start_token, rec.tenant)
-                    if rec.nvme is NvmeState.WRITING:
-                        self._write_queue.append(op)
-                        self._io_pending[("write", rec.block_hash)] = self.world_size
-                        self._writes_in_flight += 1
-                    if self.remote_lookup is not None:
-                        rec.remote_writing = True
-                        self._remote_write_queue.append(op)
-                        self._io_pending[("remote_write", rec.block_hash)] = self.world_size
-                        self._writes_in_flight += 1
+                    self.transfers.queue_writes(rec, nvme=rec.nvme is NvmeState.WRITING,
+                                                remote=self.remote_lookup is not None)
         self._retired = [st for st in self._retired if st.captures or st.restore_pins]
 
     def _release_captures(self, st: RequestState, complete_blocks: int | None = None) -> None:
@@ -634,37 +481,9 @@ class WorkspacePlanner:
         return st
 
     def has_pending_writes(self) -> bool:
-        """Whether committed blocks still wait to be written to a tier (queued
-        for the worker, or handed to it and not yet reported)."""
-        return bool(self._write_queue or self._remote_write_queue or self._writes_in_flight)
+        """Whether committed blocks still wait to be written to a tier."""
+        return self.transfers.has_pending_writes()
 
     def io_done(self, completions: Sequence[tuple[str, bytes, bool]]) -> None:
-        """Worker reports of NVMe and remote operations: (kind, block hash,
-        ok), one per rank; an operation is done when every rank reported it
-        or one failed."""
-        for kind, block_hash, ok in completions:
-            key = (kind, block_hash)
-            if key not in self._io_pending:
-                continue
-            self._io_pending[key] -= 1
-            if ok and self._io_pending[key] > 0:
-                continue  # other ranks still to report
-            del self._io_pending[key]
-            if kind in ("write", "remote_write"):
-                self._writes_in_flight -= 1
-            if kind == "write":
-                self.catalog.write_done(block_hash, ok)
-            elif kind in ("read", "remote_read"):
-                self.catalog.read_done(block_hash, ok)
-                if not ok and kind == "remote_read":
-                    self._note_remote_miss(block_hash)
-            elif kind == "remote_write":
-                self.catalog.remote_write_done(block_hash)
-
-    def _note_remote_miss(self, block_hash: bytes, hold_s: float = 60.0) -> None:
-        """A remote block that could not be read is not offered again for
-        `hold_s` (its key may exist with a value that fails its checks; the
-        block computed again overwrites it)."""
-        if len(self._remote_bad) >= 1 << 16:
-            self._remote_bad.pop(next(iter(self._remote_bad)))
-        self._remote_bad[block_hash] = time.monotonic() + hold_s
+        """Worker reports of NVMe and remote transfers: (kind, block hash, ok), one per rank."""
+        self.transfers.done(completions)

@@ -7,7 +7,7 @@ from the session's first token.
 Definitions (the contract every function here implements):
 
 * **Sanitizing.** Negative and non-finite surprisals count as 0, as in
-  :func:`vllm_sekv.workspace.summaries.surprisal_weights`.
+  :func:`vllm_sekv.index.block_summaries.surprisal_weights`.
 * **Token 0** has no prediction. It is an anchor by definition, and its value
   (callers pass 0, NaN, anything) is ignored: it does not enter the statistics.
 * **Anchor.** Token ``t >= 1`` is an anchor iff ``H_t > mu_t + alpha * sigma_t``,

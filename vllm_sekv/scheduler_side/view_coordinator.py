@@ -1,0 +1,327 @@
+"""Execution views, scheduler side: one job per request served from views.
+
+A request whose prompt is longer than its view budget becomes a `ViewJob`.
+The job runs the request as a series of passes (`workspace.views`): each time
+vLLM asks the connector for matched tokens (`next_pass`), the job chooses the
+pass, rewrites the request's tokens into it (with a cache salt of its own, so
+vLLM's prefix cache never mixes view KV with real prompt KV) and hands the
+pass to the planner, which restores its history part with re-RoPE. When a
+non-sampling pass has computed its last token, the scheduler hook takes the
+request out of the engine and queues it again (`passes_done`, `pass_done`);
+the next `next_pass` continues. The last pass samples, and its new and
+generated tokens are saved at their virtual positions.
+
+Runs in the engine-core process on the scheduler thread; every call is
+blocking and cheap, except scoring results (`set_scores`), which combine one
+row per (layer, query head).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from vllm_sekv import compat, request_params
+from vllm_sekv.config import ROUTER_CODEC, SekvConfig
+from vllm_sekv.store.codecs import parse_codec
+from vllm_sekv.workspace.coarse_plan import CoarsePlan, plan_summaries
+from vllm_sekv.workspace.hashing import JoinedTokens
+from vllm_sekv.workspace.step_plan import LowRankBlock
+from vllm_sekv.workspace.planner import WorkspacePlanner
+from vllm_sekv.workspace.segments import Segments, segment
+from vllm_sekv.index.block_summaries import combine_heads
+from vllm_sekv.workspace.view_passes import (
+    PassKind, ViewBudget, ViewPass, final_pass, first_pass, truncated_pass,
+)
+
+logger = logging.getLogger("vllm_sekv")
+
+
+@dataclass
+class ViewJob:
+    req_id: str
+    prompt: list[int]  # the full prompt: history + new tokens, virtual positions 0..
+    tenant: str  # the client's tenant key (`workspace.tenants`), for the workspace's hashes
+    session_id: str | None
+    budget: ViewBudget
+    current: ViewPass | None = None  # None: chosen at the next `next_pass`
+    probe: ViewPass | None = None
+    scores: np.ndarray | None = None  # combined relevance of probe.candidates
+    # The zoom router's rank for each of probe.candidates (restore_codec
+    # "router"; <= 0: exact); None without a router's report.
+    ranks: np.ndarray | None = None
+    num_passes: dict[str, int] = field(default_factory=dict)
+    prefilled_tokens: int = 0  # prompt tokens computed, over all passes
+    ingested_to: int = 0  # virtual end of the last ingest pass
+    truncated: bool = False  # the workspace could not hold the history (see `next_pass`)
+    coarse: bool = False  # SeKV summaries for the left-out history (server setting, request may opt out)
+    # The final view's SeKV parts (`_final_pass`): its summaries and its
+    # lossily restored blocks (virtual block -> rank, pieces); None for other passes.
+    coarse_plan: CoarsePlan | None = None
+    lowrank: dict[int, LowRankBlock] | None = None
+
+    def virtual_tokens(self, request: Any) -> JoinedTokens:
+        """The full history in virtual order, prompt then generated tokens
+        (joined, not copied: asked for at every new block)."""
+        return JoinedTokens(self.prompt, request.output_token_ids)
+
+
+class ViewCoordinator:
+    def __init__(
+        self, config: SekvConfig, planner: WorkspacePlanner, tenant_of: Callable[[str], str], window_tokens: int,
+        capacity_tokens: int,
+    ) -> None:
+        self.config = config
+        self.planner = planner
+        self.tenant_of = tenant_of  # a client's cache salt -> its tenant key
+        self.window_tokens = window_tokens
+        bt = config.block_tokens
+        view = config.view_tokens or window_tokens
+        self.view_tokens = min(view, window_tokens, capacity_tokens) // bt * bt
+        least = config.sink_tokens + config.recent_tokens + 2 * bt
+        if self.view_tokens < least:
+            raise ValueError(
+                f"sekv config 'view_tokens': views of {self.view_tokens} tokens (the model's "
+                f"window is {window_tokens}, the KV cache holds {capacity_tokens}) leave no room "
+                f"next to sink_tokens + recent_tokens; at least {least} are needed"
+            )
+        self.jobs: dict[str, ViewJob] = {}
+        # restore_codec "lowrank(r)": r; 0 for "exact" and "router" (ranks per block).
+        codec = config.restore_codec
+        self.codec_rank = 0 if codec in ("exact", ROUTER_CODEC) else parse_codec(codec).rank
+
+    # ------------------------------------------------------------ admission
+
+    def budget_for(self, max_tokens: int, view_tokens: int | None = None) -> ViewBudget:
+        """The view budget of a request that may generate `max_tokens`: the
+        view and its generation fit the model's window; a generation too long
+        for that shrinks the view to at most half the window (and is then cut
+        at the window, see `clamp_max_tokens`). `view_tokens` (the request's
+        own, at most the server's) lowers the budget further."""
+        cfg, bt = self.config, self.config.block_tokens
+        least = cfg.sink_tokens + cfg.recent_tokens + 2 * bt
+        view = min(self.view_tokens, view_tokens or self.view_tokens)
+        room = max(self.window_tokens - max_tokens, min(view, self.window_tokens // 2))
+        tokens = max(min(view, room) // bt * bt, least)
+        return ViewBudget(bt, tokens, cfg.sink_tokens, cfg.recent_tokens)
+
+    def serves_from_views(self, request: Any) -> bool:
+        """Whether `admit` will make `request` a view job: its prompt exceeds its budget."""
+        budget = self.budget_for(request.max_tokens, request_params.of_request(request).view_tokens)
+        return len(request.prompt_token_ids or ()) > budget.view_tokens
+
+    def admit(self, request: Any) -> bool:
+        """Make `request` a view job if its prompt exceeds its budget; either
+        way keep its generation inside the model's window."""
+        prompt = list(request.prompt_token_ids or ())
+        params = request_params.of_request(request)
+        budget = self.budget_for(request.max_tokens, params.view_tokens)
+        if len(prompt) <= budget.view_tokens:
+            compat.clamp_max_tokens(request, self.window_tokens - len(prompt))
+            return False
+        job = ViewJob(request.request_id, prompt, self.tenant_of(compat.request_cache_salt(request)),
+                      params.session_id, budget)
+        job.coarse = self.config.coarse == "on" and params.coarse is not False
+        self.jobs[job.req_id] = job
+        # Until its first pass is chosen the request must not hit vLLM's
+        # prefix cache under its real tokens.
+        compat.hide_from_prefix_cache(request, self._pass_salt(job))
+        return True
+
+    def _pass_salt(self, job: ViewJob) -> str:
+        n = sum(job.num_passes.values())
+        return f"{job.tenant}\x00sekv-view:{job.req_id}:{n}"
+
+    # ---------------------------------------------------------------- passes
+
+    def next_pass(self, request: Any) -> int | None:
+        """Choose the request's pass if not chosen yet, rewrite the request into
+        it; the tokens vLLM restores, or None while NVMe reads run."""
+        job = self.jobs[request.request_id]
+        if job.current is None:
+            if job.probe is not None:
+                view = self._final_pass(job)
+            else:
+                matched = self.planner.match_history(job.req_id, job.prompt, job.tenant,
+                                                     job.session_id)
+                if matched is None:
+                    return None
+                if matched * job.budget.block_tokens < job.ingested_to:
+                    # What the last ingest computed is not held any more (the
+                    # tier is too small for this history): ingesting again would
+                    # never end. Serve the prompt's end instead, and say so.
+                    job.truncated = True
+                    logger.warning(
+                        "sekv: the workspace cannot hold the %d-token history of %s (host_bytes too "
+                        "small); this step is served from its last tokens only", len(job.prompt),
+                        job.req_id)
+                    view = truncated_pass(len(job.prompt), matched, job.budget)
+                else:
+                    view = first_pass(len(job.prompt), matched, job.budget)
+            if view.kind is PassKind.INGEST:
+                job.ingested_to = view.tail_start + view.tail_tokens
+            job.current = view
+            job.num_passes[view.kind.value] = job.num_passes.get(view.kind.value, 0) + 1
+            job.prefilled_tokens += view.tail_tokens
+            compat.rewrite_request(request, view.token_ids(job.prompt), self._pass_salt(job))
+            if view.samples:
+                compat.clamp_max_tokens(request, self.window_tokens - view.num_tokens)
+        return self.planner.begin_view_pass(job.req_id, job.current, job.coarse_plan, job.lowrank)
+
+    def _final_pass(self, job: ViewJob) -> ViewPass:
+        """The sampling view after the job's probe, with SeKV's parts where
+        surprisal is recorded: anchors, coarse summaries of the history it
+        leaves out (taking room in its budget), and the history blocks that a
+        lossy `restore_codec` factors."""
+        cfg, budget = self.config, job.budget
+        surprisal = self.planner.history_surprisal(job.req_id)
+        if surprisal is not None:
+            surprisal = surprisal[: job.probe.tail_start]  # the tail is computed in the view
+        segments = segment(surprisal, cfg.anchor_alpha) if surprisal is not None and len(surprisal) else None
+        anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
+        coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
+        view = final_pass(job.probe, job.scores.tolist(), budget, cfg.view_context_blocks, anchors,
+                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room)
+        if coarse_room:
+            job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
+                                             view.reserved_tokens)
+        if cfg.restore_codec != "exact":
+            job.lowrank = self._lowrank_blocks(view, segments, self._block_ranks(job, view))
+        return view
+
+    def _block_ranks(self, job: ViewJob, view: ViewPass) -> dict[int, int]:
+        """Virtual block -> rank of the view's history blocks that a lossy
+        `restore_codec` factors: with "lowrank(r)" every block but the sink's
+        (a rebuilt attention sink costs the most accuracy, `store.codecs`) at
+        rank r; with "router" each candidate at the rank the router gave it
+        (the sink, the recent window and blocks it rated exact move exact)."""
+        if self.codec_rank:
+            sink = job.budget.sink_tokens
+            return {b: self.codec_rank for b in view.history_blocks if b * view.block_tokens >= sink}
+        if job.ranks is None:
+            return {}
+        held = set(view.history_blocks)
+        return {b: r for b, r in zip(job.probe.candidates, job.ranks.tolist()) if r > 0 and b in held}
+
+    @staticmethod
+    def _anchors(segments: Segments | None, surprisal: np.ndarray | None) -> list[int]:
+        """SeKV anchors of the history (virtual positions), the most surprising
+        first; none without recorded surprisal."""
+        if segments is None:
+            return []
+        anchors = segments.anchors.numpy()
+        anchors = anchors[anchors > 0]  # token 0 is an anchor by definition, and in the sink
+        order = np.argsort(-np.nan_to_num(surprisal[anchors], nan=0.0), kind="stable")
+        return anchors[order].tolist()
+
+    @staticmethod
+    def _lowrank_blocks(view: ViewPass, segments: Segments | None,
+                        ranks: dict[int, int]) -> dict[int, LowRankBlock]:
+        """The view's history blocks that `ranks` rates, each with its rank and
+        its pieces: surprisal segments cut at the block's edges (the whole block
+        without surprisal)."""
+        bt = view.block_tokens
+        starts = segments.starts.numpy() if segments is not None else np.zeros(0, np.int64)
+        out = {}
+        for b in view.history_blocks:
+            if b not in ranks:
+                continue
+            inner = starts[(starts > b * bt) & (starts < (b + 1) * bt)] - b * bt
+            edges = [0, *inner.tolist(), bt]
+            out[b] = LowRankBlock(ranks[b], tuple(zip(edges[:-1], edges[1:])))
+        return out
+
+    def max_new_tokens(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Stop a non-sampling pass one token short of its end (the sentinel)."""
+        job = self.jobs.get(request.request_id)
+        if job is None or job.current is None or job.current.samples:
+            return num_new_tokens
+        return max(0, min(num_new_tokens, job.current.num_tokens - 1 - num_computed_tokens))
+
+    def passes_done(self, requests: Iterable[Any]) -> list[Any]:
+        """Requests among `requests` whose non-sampling pass is complete."""
+        done = []
+        for request in requests:
+            job = self.jobs.get(request.request_id)
+            if job is None or job.current is None or job.current.samples:
+                continue
+            if compat.finished_tokens(request) < job.current.num_tokens - 1:
+                continue  # its last chunk is still running (asynchronous scheduling)
+            if job.current.kind is PassKind.PROBE and job.scores is None:
+                continue  # the probe's report is still on its way
+            done.append(request)
+        return done
+
+    def pass_done(self, request: Any, tokens_of: Any) -> None:
+        """The request was taken out of the engine after a non-sampling pass."""
+        job = self.jobs[request.request_id]
+        self.planner.end_pass(job.req_id, tokens_of)
+        if job.current.kind is PassKind.PROBE:
+            job.probe = job.current
+        job.current = None
+        # vLLM looks the request up in its prefix cache before asking for its
+        # next pass: the finished pass's blocks (cached under its salt) must not match.
+        compat.rewrite_request(request, list(request.prompt_token_ids), self._pass_salt(job) + ":next")
+
+    def set_scores(self, req_id: str, rows: np.ndarray) -> None:
+        """A probe's per-(layer, query head) relevance rows arrived."""
+        job = self.jobs.get(req_id)
+        if job is None or job.current is None or job.current.kind is not PassKind.PROBE:
+            return
+        if len(rows) == 0:  # no query was seen: rank by recency
+            job.scores = np.arange(len(job.current.candidates), dtype=np.float32)
+            logger.warning("sekv: probe of %s scored no query; the view takes recent blocks", req_id)
+            return
+        if self.config.router_path:  # one rank: the router's combined relevance, then its ranks
+            job.scores = rows[0].astype(np.float32)
+            job.ranks = rows[1].astype(np.int64) if len(rows) > 1 else None
+            return
+        job.scores = combine_heads(torch.from_numpy(rows), self.config.index_combine).numpy()
+
+    # ------------------------------------------------------------- the end
+
+    def virtual_progress(self, request: Any) -> tuple[Sequence[int], int] | None:
+        """(virtual tokens, how many of them are computed) of a view job."""
+        job = self.jobs.get(request.request_id)
+        if job is None:
+            return None
+        tokens = job.virtual_tokens(request)
+        view = job.current
+        if view is None:
+            return tokens, 0
+        computed = max(0, compat.finished_tokens(request) - view.history_tokens) + view.tail_start
+        return tokens, min(computed, len(tokens))
+
+    def finish(self, request: Any) -> dict[str, Any] | None:
+        """Forget the job; what the response reports about its views."""
+        job = self.jobs.pop(request.request_id, None)
+        if job is None:
+            return None
+        view = job.current
+        out: dict[str, Any] = {
+            "passes": dict(job.num_passes),
+            "prompt_tokens": len(job.prompt),
+            "prefilled_tokens": job.prefilled_tokens,
+        }
+        if job.truncated:
+            out["truncated"] = True
+        if view is not None and view.samples:
+            out["view_tokens"] = view.num_tokens
+            out["block_tokens"] = view.block_tokens
+            out["selected_blocks"] = list(view.history_blocks)
+            if view.anchors:
+                out["anchor_tokens"] = len(view.anchors)
+            if job.lowrank is not None:  # blocks per restore rank (lossy restore_codec)
+                ranks = [job.lowrank[b].rank if b in job.lowrank else "exact" for b in view.history_blocks]
+                out["block_ranks"] = {str(r): ranks.count(r) for r in dict.fromkeys(ranks)}
+            if job.coarse_plan is not None and job.coarse_plan.num_summaries:
+                out["summaries"] = job.coarse_plan.num_summaries
+                out["summary_tokens"] = int(job.coarse_plan.num_tokens.sum())
+        return out
+
+    def tokens_of(self, request: Any) -> Sequence[int] | None:
+        job = self.jobs.get(request.request_id)
+        return job.virtual_tokens(request) if job is not None else None

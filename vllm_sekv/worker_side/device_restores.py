@@ -1,0 +1,365 @@
+"""The worker's restores on the device: planned host rows from the pinned
+pool into vLLM's paged caches, keys re-RoPE'd on the device, every write by
+the platform's own cache-update op (`LayerWriter`).
+
+Two ways, per `restore_mode` (auto: layer by layer when the restored slots
+run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
+
+* layer by layer (`LayerwiseRestore`): `start` enqueues the first layers'
+  copies, the forward asks for each layer before its attention (`load`),
+  `finish` writes whatever it did not ask for. When the scheduler side runs
+  in this process it hands over each step's plan as soon as it is built
+  (`connector.head_start`): `head_start` then enqueues those first copies
+  already, under the rest of vLLM's scheduling and input preparation, and
+  `start` of that step adopts them. Earlier still, a restore just matched
+  begins at `head_start_match`, with a ring deep enough to keep the copy
+  engine busy until the forward asks for its first layer; the plan of the
+  same step claims it for the request whose restore reads exactly those
+  slots, and restores its other requests as a second layerwise job. A head
+  start of another step (or other slots) is dropped: the stream its buffers
+  belong to waits for its copies;
+* batched (`RestorePipeline`): whole slots, every layer written before the
+  forward.
+
+Each restore's transfer time travels in the step's report as a
+`RestoreTiming` (CUDA events, read when they are in). One instance per
+worker, used from the forward thread (vLLM calls the scheduler side there
+too when it hands over plans). The layer-by-layer path also runs on CPU
+(synchronous copies), where tests drive it; the batched path is CUDA only.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_sekv import compat
+from vllm_sekv.worker_side.device_reports import RestoreTiming
+from vllm_sekv.ops import rotate_keys
+from vllm_sekv.store.capture import CaptureWriter
+from vllm_sekv.store.host_pool import HostPool, to_device
+from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
+from vllm_sekv.store.transfer import RestorePipeline
+from vllm_sekv.workspace.step_plan import RestoreOp, slot_runs_of_rows
+
+# `restore_mode` "auto" goes layerwise when the restored host slots come in
+# runs at least this long on average: each pitched copy then moves >= 8 slots'
+# layer (>= 256 KiB with 16-token blocks), close to one large copy's speed.
+LAYERWISE_MIN_RUN_BLOCKS = 8
+
+# A restore begun at its match (`head_start_match`) copies ahead into a ring
+# of up to this many bytes (at least the usual 4 layers): at 64K tokens of
+# Llama-3.1-8B, 12 layers, ~58 ms of copies, which covers vLLM's block
+# allocation and input preparation before the forward asks for layer 0.
+MATCH_RING_BYTES = 3 << 30
+DEFAULT_RING_LAYERS = 4
+
+logger = logging.getLogger("vllm_sekv")
+
+
+@dataclass
+class HeadStart:
+    """Layerwise restores begun before their step's forward.
+
+    `step_id`: the step they are for (None: begun at a match, not yet claimed
+    by a plan); `stream`: the stream their buffers were allocated on;
+    `jobs`: (the indices of the step's restore ops a job restores, in order,
+    the job); a job begun at a match has no ops until a plan claims it."""
+
+    step_id: int | None
+    stream: Any
+    jobs: list[tuple[list[int], LayerwiseRestore]]
+
+
+def _uncovered(jobs: list[tuple[list[int], LayerwiseRestore]], num_ops: int) -> list[int]:
+    """The indices of a step's `num_ops` restore ops that none of `jobs` restores."""
+    covered = {i for indices, _ in jobs for i in indices}
+    return [i for i in range(num_ops) if i not in covered]
+
+
+def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
+                block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A restore op as whole host slots: (the slot of each run of the op's
+    rows that stay in one slot, in the op's order; the paged slot of each of
+    their tokens, -1 for tokens the op does not restore, which the
+    cache-update op skips; the RoPE delta of each token), from the op's runs
+    of rows in one slot (`slot_runs_of_rows`)."""
+    bt = block_tokens
+    slot_of_row = host_rows // bt
+    starts, slots = slot_runs_of_rows(slot_of_row)
+    run_of_row = np.zeros(len(host_rows), dtype=np.int64)
+    run_of_row[starts[1:]] = 1
+    np.cumsum(run_of_row, out=run_of_row)
+    run_of_row *= bt
+    where = run_of_row + host_rows % bt
+    mapping = np.full(len(slots) * bt, -1, dtype=np.int64)
+    mapping[where] = paged_slots
+    deltas = np.zeros(len(slots) * bt, dtype=np.int64)
+    if rope_deltas is not None:
+        deltas[where] = rope_deltas
+    return slots, mapping, deltas
+
+
+class LayerWriter:
+    """Writes restored K/V of one layer (or a batch of whole slots, every
+    layer) into the paged caches with the platform's cache-update op, keys
+    re-RoPE'd by the tokens' deltas first when the restore moves them. A
+    layerwise restore's writer gets its destinations (`route`) after the
+    first copies are enqueued, before the forward asks for a layer.
+
+    `layers`: layer index -> [(vLLM attention layer, its paged cache)]."""
+
+    def __init__(self, layers: dict[int, list], geometry: Any, rope: Any, rerope: bool) -> None:
+        self.layers = layers
+        self.geometry = geometry
+        self.rope = rope
+        self.rerope = rerope
+        self.mapping: torch.Tensor | None = None
+        self.deltas: torch.Tensor | None = None
+
+    def _write(self, idx: int, key: torch.Tensor, value: torch.Tensor,
+               mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        if self.rerope:
+            key = rotate_keys(key, deltas, self.rope)
+        for layer, kv_cache in self.layers.get(idx, ()):
+            layer.impl.write_kv(layer, key, value, kv_cache, mapping)
+
+    def route(self, mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        """Where a layerwise restore's tokens go (paged slot, -1: skipped) and
+        their RoPE deltas (None: keys not moved)."""
+        self.mapping, self.deltas = mapping, deltas
+
+    def __call__(self, idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """One layer of a layerwise restore: `[tokens, kv_heads, head_dim]`."""
+        if self.mapping is None:
+            raise RuntimeError("a layerwise restore wrote a layer before its writer was routed")
+        self._write(idx, key, value, self.mapping, self.deltas)
+
+    def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor) -> None:
+        """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`."""
+        geo = self.geometry
+        for idx in self.layers:
+            key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+            value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
+            self._write(idx, key, value, mapping, deltas)
+
+
+class DeviceRestores:
+    """A worker's exact restores from its pinned pool (see the module doc).
+
+    `kv_caches` / `layer_of`: vLLM's paged caches by layer name and each
+    name's layer index; `capture_writer`: the worker's, whose copies into the
+    pool every restore's copies are ordered after; `layerwise_copies`:
+    whether layer-by-layer copies are available (CUDA: libcudart found)."""
+
+    def __init__(self, pool: HostPool, capture_writer: CaptureWriter, kv_caches: dict[str, torch.Tensor],
+                 layer_of: dict[str, int], geometry: Any, rope: Any, block_tokens: int, restore_mode: str,
+                 device: torch.device, layerwise_copies: bool) -> None:
+        self.pool = pool
+        self.capture_writer = capture_writer
+        self.kv_caches = kv_caches
+        self.layer_of = layer_of
+        self.geometry = geometry
+        self.rope = rope
+        self.block_tokens = block_tokens
+        self.restore_mode = restore_mode
+        self.device = torch.device(device)
+        self.layerwise_copies = layerwise_copies
+        self.pipeline = RestorePipeline(tuple(pool.data.shape[1:]), geometry.dtype, device)
+        self._copy_stream = getattr(self.pipeline, "copy_stream", None)  # CUDA only
+        # This step's layer-by-layer restores (one, or two when a head start
+        # begun at a match serves one of its requests), each with its
+        # requests' shares of its blocks.
+        self._jobs: list[tuple[LayerwiseRestore, list[tuple[str, float]]]] = []
+        self._head_start: HeadStart | None = None
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether a layer-by-layer restore runs in this step."""
+        return bool(self._jobs)
+
+    def _current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    # ------------------------------------------------------------ head start
+
+    def head_start_match(self, host_slots: np.ndarray) -> None:
+        """Enqueue the copies of a layerwise restore of `host_slots` that the
+        scheduler side just matched, before vLLM allocates its blocks; the
+        plan of the step claims it (`head_start`) or drops it. Nothing if the
+        slots go batched; allocation failure only skips it.
+
+        The first restore matched in a scheduling pass keeps the copy engine:
+        a second one in the same pass starts nothing (enqueued copies cannot
+        be taken back, so replacing the first would waste its copies and
+        delay the step's own); the step's plan restores it with the others."""
+        if self._head_start is not None and self._head_start.step_id is None:
+            return
+        self._drop_head_start()
+        if not len(host_slots) or not self._goes_layerwise(host_slots):
+            return
+        layer_bytes = len(host_slots) * self.pool.block_bytes // self.geometry.num_layers
+        depth = max(DEFAULT_RING_LAYERS, MATCH_RING_BYTES // max(1, layer_bytes))
+        job = self._try_start_copies(host_slots, depth)
+        if job is not None:
+            self._head_start = HeadStart(None, self._current_stream(), [([], job)])
+
+    def head_start(self, step_id: int, ops: list[RestoreOp]) -> None:
+        """Enqueue the first layers' copies of step `step_id`'s layerwise
+        restore of `ops` now. A restore begun at the match is claimed for the
+        op that reads exactly its slots, the other ops get a job of their
+        own; one no op reads is dropped. Nothing if they go batched;
+        allocation failure only skips the head start."""
+        if not ops:
+            self._drop_head_start()
+            return
+        _, op_slots, layerwise = self._layout(ops)
+        if not layerwise:
+            self._drop_head_start()
+            return
+        jobs: list[tuple[list[int], LayerwiseRestore]] = []
+        begun = self._head_start
+        if begun is not None and begun.step_id is None:
+            match_job = begun.jobs[0][1]
+            claimed = next((i for i, slots in enumerate(op_slots)
+                            if np.array_equal(slots, match_job.host_slots)), None)
+            if claimed is not None:
+                jobs.append(([claimed], match_job))
+        if not jobs:
+            self._drop_head_start()
+            begun = None
+        stream = begun.stream if begun is not None else self._current_stream()
+        rest = _uncovered(jobs, len(ops))
+        if rest:
+            job = self._try_start_copies(np.concatenate([op_slots[i] for i in rest]), DEFAULT_RING_LAYERS)
+            if job is not None:
+                jobs.append((rest, job))
+        self._head_start = HeadStart(step_id, stream, jobs) if jobs else None
+
+    def _try_start_copies(self, host_slots: np.ndarray, depth: int) -> LayerwiseRestore | None:
+        try:
+            return self._start_copies(host_slots, depth)
+        except torch.cuda.OutOfMemoryError:
+            logger.debug("sekv: no device memory for a restore's head start; it starts with its step")
+            return None
+
+    def _drop_head_start(self) -> None:
+        """Let go of a head start no step adopted."""
+        begun, self._head_start = self._head_start, None
+        self._release(begun)
+
+    def _release(self, begun: HeadStart | None) -> None:
+        """The stream the buffers of `begun` belong to waits for their copies
+        before the allocator hands them out again."""
+        if begun is not None and begun.stream is not None:
+            begun.stream.wait_stream(self._copy_stream)
+
+    def _adopt_head_start(self, step_id: int, op_slots: list[np.ndarray]) -> list[tuple[list[int], LayerwiseRestore]]:
+        """The jobs of step `step_id`'s head start, for the current stream,
+        when together they restore exactly `op_slots` (the slots of each of
+        the step's ops), plus a new job for any op none of them restores;
+        any other head start is dropped, and one job restores every op."""
+        def restores_exactly(indices: list[int], job: LayerwiseRestore) -> bool:
+            return bool(indices) and max(indices) < len(op_slots) and np.array_equal(
+                job.host_slots, np.concatenate([op_slots[i] for i in indices]))
+
+        begun, self._head_start = self._head_start, None
+        if begun is not None and (begun.step_id != step_id or begun.stream != self._current_stream()
+                                  or not all(restores_exactly(*job) for job in begun.jobs)):
+            self._release(begun)
+            begun = None
+        jobs = begun.jobs if begun is not None else []
+        rest = _uncovered(jobs, len(op_slots))
+        if rest:
+            jobs = jobs + [(rest, self._start_copies(np.concatenate([op_slots[i] for i in rest])))]
+        return jobs
+
+    # -------------------------------------------------------------- restores
+
+    def _layout(self, ops: list[RestoreOp]) -> tuple[np.ndarray, list[np.ndarray], bool]:
+        """(the host slots of `ops`' runs, in order; those of each op; whether
+        they restore layer by layer, per `restore_mode`)."""
+        op_slots = [slot_runs_of_rows(op.host_rows // self.block_tokens)[1] for op in ops]
+        host_slots = np.concatenate(op_slots)
+        return host_slots, op_slots, self._goes_layerwise(host_slots)
+
+    def _goes_layerwise(self, host_slots: np.ndarray) -> bool:
+        mode = self.restore_mode
+        if mode == "auto":
+            mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
+        return mode == "layerwise" and self.layerwise_copies  # auto without them: batched
+
+    def _start_copies(self, host_slots: np.ndarray, depth: int = DEFAULT_RING_LAYERS) -> LayerwiseRestore:
+        """A layerwise restore of `host_slots` with its first `depth` layers'
+        copies enqueued (behind the captures already written); its `write`
+        comes later."""
+        stream = self._current_stream()
+        if stream is not None:
+            self.capture_writer.order(stream)  # copy streams wait for it
+        job = LayerwiseRestore(self.pool.data, host_slots, None, self.device, depth=depth,
+                               copy_stream=self._copy_stream)
+        job.start()
+        return job
+
+    def start(self, forward_context: Any, step_id: int, ops: list[RestoreOp]) -> list[RestoreTiming]:
+        """Enqueue step `step_id`'s restores of `ops`: layer by layer (their
+        first copies possibly begun by a head start) or batched. Returns the
+        batched restores' timings (a layerwise one's comes from `finish`)."""
+        bt = self.block_tokens
+        host_slots, op_slots, layerwise = self._layout(ops)
+        if layerwise:
+            for indices, job in self._adopt_head_start(step_id, op_slots):
+                job_ops = [ops[i] for i in indices]
+                rerope = any(op.rope_deltas is not None for op in job_ops)
+                writer = job.write = self._writer(forward_context, rerope)
+                # the first layers move while their destinations are worked out
+                layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in job_ops]
+                mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.device)
+                deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.device) if rerope else None
+                writer.route(mapping, deltas)
+                shares = [(ops[i].req_id, len(op_slots[i]) / job.num_blocks) for i in indices]
+                self._jobs.append((job, shares))
+            return []
+        self.capture_writer.order(self._current_stream())  # copy streams wait for it
+        timings = []
+        for op in ops:
+            slots, mapping, deltas = slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt)
+            writer = self._writer(forward_context, op.rope_deltas is not None)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.device),
+                                  to_device(deltas, self.device), self.rope, write=writer.batch)
+            end.record()
+            timings.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
+        return timings
+
+    def load(self, layer_name: str) -> None:
+        """Before a layer's attention: its restored KV is in the paged cache
+        (on the compute stream). A no-op unless a layerwise restore runs."""
+        if self._jobs and layer_name in self.layer_of:
+            layer = self.layer_of[layer_name]
+            for job, _ in self._jobs:
+                job.load(layer)
+
+    def finish(self) -> list[RestoreTiming]:
+        """Write every layer the forward did not ask for (the cache never keeps
+        stale KV) and end the step's layerwise restores: their timings (none
+        without such a restore, or without timing events on this device)."""
+        jobs, self._jobs = self._jobs, []
+        timings = []
+        for job, shares in jobs:
+            job.finish()
+            events = job.transfer_events()
+            if events is not None:
+                timings.append(RestoreTiming(*events, shares))
+        return timings
+
+    def _writer(self, forward_context: Any, rerope: bool) -> LayerWriter:
+        layers: dict[int, list] = {}
+        for name, kv_cache in self.kv_caches.items():
+            layers.setdefault(self.layer_of[name], []).append(
+                (compat.attention_layer(forward_context, name), kv_cache))
+        return LayerWriter(layers, self.geometry, self.rope, rerope)
