@@ -7,18 +7,11 @@ import torch
 
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool, cudart
-from vllm_sekv.store.capture import CaptureWriter, StepCapture, row_runs
+from vllm_sekv.store.capture import CaptureWriter, StepCapture
 
 LAYERS, BT, H, D = 3, 4, 2, 8
 ROPE = RopeSpec(inv_freq=1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)), rotary_dim=D)
 
-
-def test_row_runs_split_at_gaps_and_slot_ends():
-    rows = np.array([2, 3, 4, 5, 9, 10, 7, 8, 12])  # 4 slots of 4 rows
-    # [2, 3] | 4 opens slot 1: [4, 5] | a gap: [9, 10] | a gap: [7] | 8 opens slot 2: [8] | a gap: [12]
-    assert row_runs(rows, BT) == [(0, 2, 2), (2, 4, 2), (4, 9, 2), (6, 7, 1), (7, 8, 1), (8, 12, 1)]
-    assert row_runs(np.array([6]), BT) == [(0, 6, 1)]
-    assert row_runs(np.zeros(0, dtype=np.int64), BT) == []
 
 
 def _capture(device, host_rows, deltas, dtype=torch.bfloat16, tokens=11, seed=0):

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from vllm_sekv.store import cudart
-from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks, slot_runs
-from vllm_sekv.store.transfer import coalesce_runs
+from vllm_sekv.store.layerwise import LayerwiseRestore
 
 LAYERS, BT, HEADS, DIM = 6, 4, 2, 8
 HOST_SLOTS = np.array([3, 4, 5, 17, 0, 9, 10, 11, 12, 22, 1])  # runs and jumps
@@ -85,12 +84,6 @@ def test_a_layer_loaded_before_the_writer_is_given_raises():
     job.start()
     with pytest.raises(RuntimeError, match="before it was given its `write`"):
         job.load(0)
-
-
-def test_slot_runs_match_coalesce_runs():
-    assert slot_runs(HOST_SLOTS) == coalesce_runs(HOST_SLOTS.tolist())
-    assert slot_runs(np.array([], dtype=np.int64)) == []
-    assert mean_run_blocks(HOST_SLOTS) == pytest.approx(len(HOST_SLOTS) / 6)
 
 
 def test_rejects_bad_arguments():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_sekv.store.transfer import HostGatherer, RestorePipeline, coalesce_runs
+from vllm_sekv.store.transfer import HostGatherer, RestorePipeline
 from vllm_sekv.ops import RopeSpec
 from vllm_sekv.ops.rope.rotate_reference import rotate_keys
 
@@ -42,12 +42,6 @@ def _setup(dtype, device, num_slots=23, pages=50, n_blocks=9, seed=0):
     slots[::7] = -1
     deltas = torch.randint(-1000, 100000, (n_blocks * BT,), generator=gen)
     return pool, kv, host_slots, slots, deltas
-
-
-def test_coalesce_runs():
-    assert coalesce_runs([3, 4, 5, 9, 10, 2]) == [(3, 0, 3), (9, 3, 2), (2, 5, 1)]
-    assert coalesce_runs([1, 2, 3], [5, 6, 0]) == [(1, 5, 2), (3, 0, 1)]
-    assert coalesce_runs([]) == []
 
 
 @pytest.mark.parametrize("num_threads", [1, 3])

@@ -6,6 +6,7 @@ from vllm_sekv.store import LRUPolicy
 from vllm_sekv.workspace.catalog import BlockCatalog
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
+from vllm_sekv.store.slot_runs import run_starts
 
 BT, PAGED = 8, 16
 
@@ -95,8 +96,6 @@ def test_vllm_local_hit_is_not_restored_again():
 def test_the_slots_offered_at_the_match_are_the_ones_the_plan_restores(prompt_tokens, local):
     """What a worker's head start copies at the match (`match_slots`) is
     exactly what the step's restore reads, or the step would drop it."""
-    from vllm_sekv.workspace.step_plan import slot_runs_of_rows
-
     eng = Engine()
     prefill_and_finish(eng, "a", list(range(1, 41)))
     prompt = list(range(1, prompt_tokens + 1))
@@ -107,7 +106,8 @@ def test_the_slots_offered_at_the_match_are_the_ones_the_plan_restores(prompt_to
     eng.planner.set_paged_blocks("b", list(range(100, 104)), replace=True)
     eng.planner.accept_restore("b", ext)
     (op,) = eng.run({"b": (local + ext, prompt_tokens - local - ext)}).restores
-    assert np.array_equal(offered, slot_runs_of_rows(op.host_rows // BT)[1])
+    slot_of_row = op.host_rows // BT
+    assert np.array_equal(offered, slot_of_row[run_starts(slot_of_row, step=0)])
 
 
 def test_different_salt_never_matches():

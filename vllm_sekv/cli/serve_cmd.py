@@ -62,7 +62,7 @@ def serve_command(model: str, sekv: dict[str, str], passthrough: list[str]) -> l
     its own --kv-transfer-config; prepares (blocking) a bundled model."""
     if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config") for a in passthrough):
         raise ValueError(
-            "vllm-sekv serve sets --kv-transfer-config itself; pass sekv settings as "
+            "--kv-transfer-config is set by vllm-sekv serve itself; pass sekv settings as "
             "flags (e.g. --host-bytes 8G) instead"
         )
     SekvConfig.from_sources(sekv, environ={})  # fail now, naming the key, not in the engine

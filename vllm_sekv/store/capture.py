@@ -47,18 +47,7 @@ import torch
 from vllm_sekv.ops import gather_rerope, rotate_keys, rotate_layer_keys_
 from vllm_sekv.store import cudart
 from vllm_sekv.store.host_pool import HostPool
-
-
-def row_runs(host_rows: np.ndarray, block_tokens: int) -> list[tuple[int, int, int]]:
-    """Runs `(index of the first row, first host row, length)` of consecutive
-    rows in `host_rows` that stay inside one slot."""
-    rows = np.asarray(host_rows, dtype=np.int64)
-    if not len(rows):
-        return []
-    breaks = (np.diff(rows) != 1) | (rows[1:] % block_tokens == 0)
-    starts = np.concatenate([[0], np.flatnonzero(breaks) + 1])
-    lengths = np.diff(np.concatenate([starts, [len(rows)]]))
-    return list(zip(starts.tolist(), rows[starts].tolist(), lengths.tolist()))
+from vllm_sekv.store.slot_runs import runs
 
 
 class StepCapture:
@@ -150,7 +139,7 @@ class CaptureWriter:
         row_bytes = kv[0, 0, 0].numel() * kv.element_size()
         slot_bytes, n = data[0].numel() * data.element_size(), kv.shape[2]
         base = data.data_ptr()
-        for begin, host_row, length in row_runs(capture.host_rows, bt):
+        for begin, host_row, length in runs(capture.host_rows, period=bt):
             slot, offset = divmod(host_row, bt)
             # rows (kv, layer) of the slot are bt * row_bytes apart, as in the buffer n * row_bytes apart
             cudart.copy2d_async(base + slot * slot_bytes + offset * row_bytes, bt * row_bytes,

@@ -20,20 +20,9 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
-from vllm_sekv.store.layerwise import slot_runs
+from vllm_sekv.store.slot_runs import runs
 
 PAGE_BYTES = 4096
-
-
-class _Offsets(dict):
-    """block_tokens -> arange(block_tokens), made once."""
-
-    def __missing__(self, bt: int) -> np.ndarray:
-        self[bt] = np.arange(bt)
-        return self[bt]
-
-
-_OFFSETS = _Offsets()
 
 
 @dataclass(frozen=True)
@@ -130,22 +119,17 @@ class HostPool:
         """Split `rows` into runs of whole consecutive slots, each given in
         order (offsets 0..block_tokens-1, slot after slot), and the rest."""
         bt = self.block_tokens
-        r = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+        r = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64)
         whole: list[tuple[int, int, int]] = []
         rest: list[np.ndarray] = []
-        i, n = 0, len(r)
-        while i < n:
-            j = i
-            # Extend over whole slots that follow each other, rows in order.
-            while j + bt <= n and r[j] % bt == 0 and r[j + bt - 1] == r[j] + bt - 1 \
-                    and (j == i or r[j] == r[j - 1] + 1) and np.array_equal(r[j : j + bt], r[j] + _OFFSETS[bt]):
-                j += bt
-            if j > i:
-                whole.append((i, int(r[i] // bt), (j - i) // bt))
-                i = j
-            else:
-                rest.append(np.array([i]))
-                i += 1
+        for start, first, length in runs(r):  # rows that follow each other, across slots
+            head = min((-first) % bt, length)  # rows before the run's first slot boundary
+            slots = (length - head) // bt
+            if not slots:
+                rest.append(np.arange(start, start + length))
+                continue
+            whole.append((start + head, (first + head) // bt, slots))
+            rest += [np.arange(start, start + head), np.arange(start + head + slots * bt, start + length)]
         rest_idx = torch.from_numpy(np.concatenate(rest)) if rest else torch.zeros(0, dtype=torch.int64)
         return SlotRuns(whole, rest_idx)
 
@@ -172,7 +156,7 @@ class HostPool:
         key_bytes = out[0].numel() * out.element_size()
         slot_bytes = self.block_bytes
         stream = torch.cuda.current_stream(device)
-        for first, at, n in slot_runs(np.asarray(slots, dtype=np.int64)):
+        for at, first, n in runs(slots):
             cudart.copy2d_async(out[at].data_ptr(), key_bytes, self.data[first, 0].data_ptr(), slot_bytes,
                                 key_bytes, n, stream)
         return out

@@ -33,24 +33,10 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
+from vllm_sekv.store.slot_runs import runs
 
 # (layer index, key [n * block_tokens, kv_heads, head_dim], value [same])
 LayerWrite = Callable[[int, torch.Tensor, torch.Tensor], None]
-
-
-def slot_runs(host_slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """Runs `(first slot, first block, num_blocks)` of consecutive slots in
-    `host_slots` (block j of the restore is `host_slots[j]`)."""
-    slots = np.asarray(host_slots, dtype=np.int64)
-    starts = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts = np.concatenate([[0], starts]) if len(slots) else starts
-    lengths = np.diff(np.concatenate([starts, [len(slots)]]))
-    return list(zip(slots[starts].tolist(), starts.tolist(), lengths.tolist()))
-
-
-def mean_run_blocks(host_slots: np.ndarray) -> float:
-    """Average length of the runs of consecutive slots in `host_slots`."""
-    return len(host_slots) / max(1, len(slot_runs(host_slots)))
 
 
 class LayerwiseRestore:
@@ -72,7 +58,7 @@ class LayerwiseRestore:
         self.num_layers = pool.shape[2]
         self.num_blocks = len(host_slots)
         self.host_slots = np.asarray(host_slots)
-        self.runs = slot_runs(host_slots)
+        self.runs = runs(host_slots)  # (first block, first slot, blocks)
         self._cuda = self.device.type == "cuda"
         if self._cuda and (copy_stream is None or not cudart.is_page_locked(pool)):
             raise ValueError("on CUDA a layerwise restore needs a copy stream and a pinned pool")
@@ -152,13 +138,13 @@ class LayerwiseRestore:
         index = layer % len(self._bufs)
         buf = self._bufs[index]
         if not self._cuda:
-            for src, dst, n in self.runs:
+            for dst, src, n in self.runs:
                 buf[:, dst:dst + n].copy_(self.pool[src:src + n, :, layer].transpose(0, 1))
             self._copied[layer] = True
         else:
             if self._freed[index] is not None:
                 self._stream.wait_event(self._freed[index])
-            for src, dst, n in self.runs:
+            for dst, src, n in self.runs:
                 for kv in (0, 1):
                     cudart.copy2d_async(buf[kv, dst].data_ptr(), self._chunk_bytes,
                                         self.pool[src, kv, layer].data_ptr(), self._slot_bytes,

@@ -36,20 +36,8 @@ import torch
 
 from vllm_sekv import ops
 from vllm_sekv.store import cudart
+from vllm_sekv.store.slot_runs import runs
 from vllm_sekv.ops import RopeSpec
-
-
-def coalesce_runs(src: Sequence[int], dst: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
-    """Merge (src[i], dst[i]) pairs into runs `(src_start, dst_start, length)` where
-    both sides advance by one. `dst` defaults to 0, 1, 2, ..."""
-    runs: list[tuple[int, int, int]] = []
-    for i, s in enumerate(src):
-        d = i if dst is None else dst[i]
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((int(s), int(d), 1))
-    return runs
 
 
 class HostGatherer:
@@ -71,10 +59,9 @@ class HostGatherer:
         """out[i] = pool[slots[i]] for i < len(slots)."""
         if len(slots) > out.shape[0]:
             raise ValueError(f"{len(slots)} slots do not fit staging of {out.shape[0]} rows")
-        runs = coalesce_runs(slots)
         # Split long runs so that the threads get even shares.
         share = max(1, -(-len(slots) // self.num_threads))
-        pieces = [(s + o, d + o, min(share, n - o)) for s, d, n in runs for o in range(0, n, share)]
+        pieces = [(s + o, d + o, min(share, n - o)) for d, s, n in runs(slots) for o in range(0, n, share)]
         if self._executor is None or len(pieces) == 1:
             _copy_pieces(pool, out, pieces)
             return
@@ -205,7 +192,7 @@ class RestorePipeline:
             with torch.cuda.stream(self.copy_stream):
                 if self._scatter_done[buf] is not None:  # the scatter that last read this buffer
                     self.copy_stream.wait_event(self._scatter_done[buf])
-                for s, d, m in coalesce_runs(host_slots[b0:b1]):
+                for d, s, m in runs(host_slots[b0:b1]):
                     self._dev[buf][d:d + m].copy_(pool[s:s + m], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)

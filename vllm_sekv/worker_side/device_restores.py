@@ -41,9 +41,10 @@ from vllm_sekv.worker_side.device_reports import RestoreTiming
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store.capture import CaptureWriter
 from vllm_sekv.store.host_pool import HostPool, to_device
-from vllm_sekv.store.layerwise import LayerwiseRestore, mean_run_blocks
+from vllm_sekv.store.layerwise import LayerwiseRestore
+from vllm_sekv.store.slot_runs import mean_run_length, run_starts
 from vllm_sekv.store.transfer import RestorePipeline
-from vllm_sekv.workspace.step_plan import RestoreOp, slot_runs_of_rows
+from vllm_sekv.workspace.step_plan import RestoreOp
 
 # `restore_mode` "auto" goes layerwise when the restored host slots come in
 # runs at least this long on average: each pitched copy then moves >= 8 slots'
@@ -80,16 +81,22 @@ def _uncovered(jobs: list[tuple[list[int], LayerwiseRestore]], num_ops: int) -> 
     return [i for i in range(num_ops) if i not in covered]
 
 
+def _slot_of_each_run(slot_of_row: np.ndarray) -> np.ndarray:
+    """The slot of each run of rows that stay in one slot, in order."""
+    return slot_of_row[run_starts(slot_of_row, step=0)]
+
+
 def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
                 block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A restore op as whole host slots: (the slot of each run of the op's
     rows that stay in one slot, in the op's order; the paged slot of each of
     their tokens, -1 for tokens the op does not restore, which the
     cache-update op skips; the RoPE delta of each token), from the op's runs
-    of rows in one slot (`slot_runs_of_rows`)."""
+    of rows in one slot."""
     bt = block_tokens
     slot_of_row = host_rows // bt
-    starts, slots = slot_runs_of_rows(slot_of_row)
+    starts = run_starts(slot_of_row, step=0)
+    slots = slot_of_row[starts]
     run_of_row = np.zeros(len(host_rows), dtype=np.int64)
     run_of_row[starts[1:]] = 1
     np.cumsum(run_of_row, out=run_of_row)
@@ -282,14 +289,14 @@ class DeviceRestores:
     def _layout(self, ops: list[RestoreOp]) -> tuple[np.ndarray, list[np.ndarray], bool]:
         """(the host slots of `ops`' runs, in order; those of each op; whether
         they restore layer by layer, per `restore_mode`)."""
-        op_slots = [slot_runs_of_rows(op.host_rows // self.block_tokens)[1] for op in ops]
+        op_slots = [_slot_of_each_run(op.host_rows // self.block_tokens) for op in ops]
         host_slots = np.concatenate(op_slots)
         return host_slots, op_slots, self._goes_layerwise(host_slots)
 
     def _goes_layerwise(self, host_slots: np.ndarray) -> bool:
         mode = self.restore_mode
         if mode == "auto":
-            mode = "layerwise" if mean_run_blocks(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
+            mode = "layerwise" if mean_run_length(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
         return mode == "layerwise" and self.layerwise_copies  # auto without them: batched
 
     def _start_copies(self, host_slots: np.ndarray, depth: int = DEFAULT_RING_LAYERS) -> LayerwiseRestore:

@@ -11,17 +11,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-def slot_runs_of_rows(slot_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs of a restore's host rows that stay in one slot, given each row's
-    slot (`host_rows // block_tokens`; a block's rows follow each other, so a
-    run ends where the slot changes): (index of each run's first row, its
-    slot). One pass, no sort."""
-    if not len(slot_of_row):
-        return slot_of_row, slot_of_row
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(slot_of_row)) + 1])
-    return starts, slot_of_row[starts]
-
-
 def _empty() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
 
