@@ -18,7 +18,7 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def essay() -> str:
-    from vllm_sekv.essays import essay_text
+    from vllm_sekv.calibration_corpus import essay_text
 
     return essay_text(max_chars=200_000)
 

@@ -192,7 +192,7 @@ def capture_sample(model, cap: _Capture, ids: list[int], new_tokens: int, alpha:
 
 def _texts(tok, args: CalibrateArgs) -> dict[str, list[list[int]]]:
     """{'train': [...], 'heldout': [...]} token windows from disjoint essay pools."""
-    from vllm_sekv.essays import essay_paths
+    from vllm_sekv.calibration_corpus import essay_paths
 
     paths = essay_paths()
     random.Random(args.seed).shuffle(paths)

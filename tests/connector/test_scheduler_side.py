@@ -59,7 +59,7 @@ def test_a_second_server_on_the_folder_is_refused_and_a_damaged_manifest_only_se
 
 def test_a_remote_tier_that_is_down_at_start_up_does_not_stop_the_server(vllm_config):
     from vllm_sekv.scheduler_side.scheduler_connector import SekvSchedulerSide
-    from vllm_sekv.serving import free_port
+    from testbed.serving import free_port
 
     config = SekvConfig.from_sources({"host_bytes": "64M", "remote_url": f"redis://127.0.0.1:{free_port()}/0",
                                       "hash_secret": "sixteen bytes at least"}, environ={})

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from test_http_serve import post
-from vllm_sekv.serving import LocalServer
+from testbed.serving import LocalServer
 
 pytestmark = pytest.mark.engine
 

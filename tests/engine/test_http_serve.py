@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from vllm_sekv.serving import LocalServer
+from testbed.serving import LocalServer
 
 pytestmark = pytest.mark.engine
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_sekv.serving import LocalServer
+from testbed.serving import LocalServer
 
 from test_http_serve import VLLM_ARGS, post
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_sekv.serving import LocalServer
+from testbed.serving import LocalServer
 from vllm_sekv.workspace.manifest import Manifest
 
 from test_http_serve import VLLM_ARGS, post

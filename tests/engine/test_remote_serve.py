@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_sekv.serving import LocalServer
+from testbed.serving import LocalServer
 
 from test_http_serve import VLLM_ARGS, post
 from test_nvme_serve import answer, ask, history

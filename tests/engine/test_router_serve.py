@@ -16,7 +16,7 @@ import pytest
 
 from test_coarse_serve import counters
 from test_http_serve import post
-from vllm_sekv.serving import LocalServer
+from testbed.serving import LocalServer
 
 pytestmark = pytest.mark.engine
 

@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 from test_http_serve import post
-from vllm_sekv.serving import LocalServer
+from testbed.serving import LocalServer
 
 VIEW = {"view_tokens": 4096}
 HISTORY_TOKENS = 16384

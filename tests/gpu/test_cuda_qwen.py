@@ -64,7 +64,7 @@ def test_restores_give_plain_vllms_greedy_tokens_and_compute_only_new_ones(tmp_p
 def test_a_view_holding_the_whole_history_answers_as_plain_vllm(qwen_dir, essay):
     from test_http_serve import chat_session
 
-    from vllm_sekv.serving import LocalServer
+    from testbed.serving import LocalServer
 
     with LocalServer(qwen_dir, sekv={}, vllm_args=VLLM_ARGS, env=ENV) as server:
         sekv = chat_session(server.url, qwen_dir, essay, {"kv_transfer_params": {"view_tokens": 8192}})

