@@ -119,16 +119,16 @@ _OPAQUE_PREFIX = b"sekv-view-block\x00"
 # for the engine core's block hasher built next (`hash_views_opaquely`).
 _pending_admission: Any = None
 
+
 def hash_views_opaquely(serves_from_views: Any) -> None:
     """Spare requests served from views vLLM's prefix-cache hashing.
 
     vLLM hashes every full block of a prompt when it creates the request (the
     engine core's `request_block_hasher`) and again whenever a connector
-    rewrites it: about 9 ms per 64K tokens on the H200's host
-    (`benchmarks/results/gpu/step_floor.md`), so for a 512K-token history
-    and its 64K view some 80 ms per agent step. A view job
-    never uses those hashes: admission drops the prompt's, and each view pass
-    carries a salt of its own, so no lookup can ever match them.
+    rewrites it, a cost that grows with the history and is paid again by
+    every pass of every agent step. A view job never uses those hashes:
+    admission drops the prompt's, and each view pass carries a salt of its
+    own, so no lookup can ever match them.
 
     Call from the scheduler's constructor: in both supported versions the
     engine core builds its hasher right after its scheduler (that is when

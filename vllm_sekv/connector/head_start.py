@@ -2,9 +2,8 @@
 
 A step's restore copies start, in the worker, at `start_load_kv`. Between the
 scheduler side planning the step (`build_connector_meta`) and that call, vLLM
-finishes scheduling and prepares the step's inputs: on the H200 about 8 ms
-for a 64K-token follow-up, every one of them added to its time to first
-token. When the worker lives in the scheduler's process (vLLM's single-GPU
+finishes scheduling and prepares the step's inputs, milliseconds for a
+long follow-up, every one of them added to its time to first token. When the worker lives in the scheduler's process (vLLM's single-GPU
 engine core: one process, one thread, the worker called in line), the
 scheduler side hands it the plan right away (`offer`), and the worker enqueues
 the restore's first layers then (`SekvWorkerSide.head_start`); its
@@ -13,8 +12,8 @@ multiprocess executors) is never found here: its restores start as before.
 
 Earlier still, when `get_num_new_matched_tokens` matches a restore, the
 scheduler side hands over the host slots it will read (`offer_match`): the
-copies begin before vLLM allocates the request's blocks (about 12 ms at 64K,
-24 ms at 127K on the H200's host), and the plan of the same step claims them
+copies begin before vLLM allocates the request's blocks (which grows with
+the prompt's length), and the plan of the same step claims them
 if it restores exactly those slots (`SekvWorkerSide.head_start_match`).
 
 Workers register under their engine's `kv_transfer_config.engine_id`, which

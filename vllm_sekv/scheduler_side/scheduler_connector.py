@@ -3,10 +3,9 @@
 Runs in the engine-core process on the scheduler thread. Owns the catalog,
 the sessions and the planner (bookkeeping only; the bytes are in the workers),
 and, with an NVMe tier, the folder's lock and manifest. Every call is blocking
-and cheap. The manifest is rewritten whenever a request of a named session
-finishes, so a server killed at any point has listed every session it served
-(the whole file is rewritten: fine for thousands of sessions; a per-session
-journal is the next step for more).
+and cheap. When a request of a named session finishes, its row of the
+manifest is written by the manifest's own thread (`ManifestWriter`), so a
+server killed at any point has listed every session it served.
 """
 from __future__ import annotations
 

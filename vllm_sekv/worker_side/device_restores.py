@@ -53,8 +53,8 @@ LAYERWISE_MIN_RUN_BLOCKS = 8
 
 # A restore begun at its match (`head_start_match`) copies ahead into a ring
 # of up to this many bytes (at least the usual 4 layers): at 64K tokens of
-# Llama-3.1-8B, 12 layers, ~58 ms of copies, which covers vLLM's block
-# allocation and input preparation before the forward asks for layer 0.
+# Llama-3.1-8B 12 layers, enough copies to cover vLLM's block allocation and
+# input preparation before the forward asks for layer 0.
 MATCH_RING_BYTES = 3 << 30
 DEFAULT_RING_LAYERS = 4
 

@@ -100,8 +100,8 @@ class PrefixHashMemo:
     """The block hashes of recently hashed token sequences, reused for a new
     sequence that begins with one of them.
 
-    An agent resends its whole history every step: hashing a 512K-token prompt
-    again costs ~30 ms, comparing it with the last one a few. The blocks the
+    An agent resends its whole history every step: hashing a long prompt
+    again costs far more than comparing it with the last one. The blocks the
     two share from the start are reused, whatever follows them. One entry per
     `(tenant, key)` (`key`: the session id, or None for a tenant's requests
     without one) holding at least one whole block, with a copy of the tokens

@@ -24,11 +24,8 @@ Hq]) folds the splits together and merges as above. `CoarseConfig.num_splits`
 forces a split count (1: fused); None picks one from the device's
 multiprocessor count.
 
-Cost: 4 * T * Hq * S * D FLOPs plus one exp2 per logit. Measured on an H200
-(bf16, Hq 32, H 8, D 128, S 4096 unless noted; CUDA-graph timings, default
-config; the PyTorch reference in brackets): T 1: 20 us split, 79 us fused
-(257 us); T 64: 31 us (590 us); T 512: 140 us, ~245 TFLOP/s (2.2 ms); T 4096 x
-S 2048: 573 us, ~240 TFLOP/s (8.0 ms). `num_stages=3` was ~6% faster at T 4096.
+Cost: 4 * T * Hq * S * D FLOPs plus one exp2 per logit: compute-bound for
+long prefill chunks, bound by the summaries' reads for decode.
 """
 from __future__ import annotations
 
