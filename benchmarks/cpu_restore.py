@@ -12,14 +12,15 @@ the NVMe mode, two filler requests of other text push the history out of the
 host tier first (it is then read back from disk, checksums verified, before
 the restore). All engines run in the same invocation (one child process each,
 one after the other) with the same token ids. Writes
-benchmarks/results/cpu_restore.{json,md}.
+benchmarks/results/cpu_restore/report.{json,md}, the Markdown headed by the
+machine, commit and command; `--report-only` writes the Markdown again from
+the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -28,8 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import report_header as H
+
+RESULTS = H.results_dir("cpu_restore")
 NEW_TOKENS = 64
+TITLE = "Follow-up step after a GPU-cache reset: sekv restore (host, NVMe) vs plain re-prefill (CPU)"
 
 
 def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
@@ -37,7 +41,7 @@ def child(mode: str, histories: list[int], repeats: int, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_sekv.essays import essay_text
+    from vllm_sekv.calibration_corpus import essay_text
     from vllm_sekv.models import prepare_model
 
     kwargs = {}
@@ -90,11 +94,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--child", choices=["plain", "sekv", "nvme"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--report-only", action="store_true", help="only write report.md again from report.json")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.histories, args.repeats, args.out)
         return
-    RESULTS.mkdir(exist_ok=True)
+    if args.report_only:
+        write_report(json.loads((RESULTS / "report.json").read_text()))
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
     runs = {}
     for mode in ("plain", "sekv", "nvme"):
         out = RESULTS / f".cpu_restore_{mode}.tmp.json"  # kept until the tables are written
@@ -116,16 +124,21 @@ def main() -> None:
                       "sekv_restored_tokens": min(restored),
                       "nvme_restored_tokens": min(from_nvme),
                       "sekv_restore_ms_median": round(statistics.median(restore_ms), 1)})
-    meta = {"command": "python benchmarks/cpu_restore.py " + " ".join(sys.argv[1:]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (bf16)",
-            "new_tokens_per_step": NEW_TOKENS, "repeats": args.repeats,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    command = H.command(__file__)
+    meta = {**H.meta(command), "command": command, "model": "SmolLM2-135M-Instruct (bf16)",
+            "new_tokens_per_step": NEW_TOKENS, "repeats": args.repeats}
     for mode in runs:
         (RESULTS / f".cpu_restore_{mode}.tmp.json").unlink(missing_ok=True)
-    (RESULTS / "cpu_restore.json").write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=1))
-    lines = ["# Follow-up step after a GPU-cache reset: sekv restore (host, NVMe) vs plain re-prefill (CPU)", "",
-             f"Command: `{meta['command']}` — {meta['machine']}, {meta['model']}, "
-             f"{NEW_TOKENS} new tokens per step, median of {args.repeats}, {meta['date']}.", "",
+    data = {"meta": meta, "table": table, "runs": runs}
+    (RESULTS / "report.json").write_text(json.dumps(data, indent=1))
+    write_report(data)
+
+
+def write_report(data: dict) -> None:
+    meta, table = data["meta"], data["table"]
+    lines = [*H.header_from(meta, TITLE),
+             f"{meta['model']}, {meta['new_tokens_per_step']} new tokens per step, time to first token: "
+             f"median of {meta['repeats']}.", "",
              "| history tokens | plain re-prefill TTFT (ms) | sekv from host TTFT (ms) | speed-up | "
              "sekv from NVMe TTFT (ms) | speed-up | restored (host / NVMe) | host restore (ms) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -134,7 +147,7 @@ def main() -> None:
                      f"{row['speedup']}x | {row['nvme_ttft_ms']} | {row['nvme_speedup']}x | "
                      f"{row['sekv_restored_tokens']} / {row['nvme_restored_tokens']} | "
                      f"{row['sekv_restore_ms_median']} |")
-    (RESULTS / "cpu_restore.md").write_text("\n".join(lines) + "\n")
+    H.write_report(RESULTS / "report.md", lines)
     print("\n".join(lines))
 
 

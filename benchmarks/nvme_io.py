@@ -5,7 +5,9 @@ in the same run on the same folder. No vLLM needed (runs on the GPU machine too)
     python benchmarks/nvme_io.py --dir /path/on/the/disk [--records 512] [--threads 8]
 
 Records have the size of a SmolLM2-135M block (32 tokens, bf16: 720 KiB payload)
-unless --block-kib says otherwise. Writes results/nvme_io_<host>.json/.md.
+unless --block-kib says otherwise. Writes benchmarks/results/nvme_io/<tag>.{json,md}
+(`SEKV_BENCH_TAG`, default `cpu`: the machine it ran on), the Markdown headed by
+the machine, commit and command; `--report-only` writes it again from the JSON.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import shutil
 import socket
 import time
@@ -21,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+import report_header as H
 from vllm_sekv.store.nvme import NvmeLayout, RecordIO
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = H.results_dir("nvme_io")
 
 
 def drop_caches() -> bool:
@@ -65,12 +67,19 @@ def sequential_direct_read_gbps(path: Path, total_bytes: int, chunk_bytes: int =
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", required=True, help="a folder on the disk to measure (a subfolder is made)")
+    ap.add_argument("--dir", help="a folder on the disk to measure (a subfolder is made)")
     ap.add_argument("--records", type=int, default=512)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--block-kib", type=int, default=720)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--report-only", action="store_true", help="only write <tag>.md again from <tag>.json")
     args = ap.parse_args()
+    tag = os.environ.get("SEKV_BENCH_TAG", "cpu")
+    if args.report_only:
+        write_report(json.loads((RESULTS / f"{tag}.json").read_text()), tag)
+        return
+    if not args.dir:
+        ap.error("--dir is required")
     work = Path(args.dir) / f"sekv-nvme-bench-{os.getpid()}"
     work.mkdir(parents=True)
     try:
@@ -104,28 +113,34 @@ def main() -> None:
                              "page_cache_dropped": not cached})
                 print(f"threads={threads} records {gbps:.2f} GB/s vs sequential O_DIRECT {base:.2f} GB/s "
                       f"-> {gbps / base:.2f}", flush=True)
-        meta = {"command": "python benchmarks/nvme_io.py " + " ".join(os.sys.argv[1:]),
-                "host": socket.gethostname(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        command = H.command(__file__)
+        meta = {**H.meta(command), "command": command, "host": socket.gethostname(),
                 "dir": str(args.dir), "o_direct": io.o_direct, "records": args.records,
-                "record_bytes": io.record_bytes, "write_gbps": round(total / write_s / 1e9, 3),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        best = max(rows, key=lambda r: r["ratio"])
-        tag = os.environ.get("SEKV_BENCH_TAG", "cpu")
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"nvme_io_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        lines = [f"# NVMe record reads vs sequential O_DIRECT read ({tag})", "",
-                 f"Command: `{meta['command']}` on {meta['machine']}, {meta['date']}; "
-                 f"{args.records} records of {io.record_bytes} bytes, O_DIRECT={io.o_direct}, "
-                 f"write-behind {meta['write_gbps']} GB/s.", "",
-                 "| threads | repeat | records GB/s | sequential O_DIRECT GB/s | ratio |", "|---|---|---|---|---|"]
-        lines += [f"| {r['threads']} | {r['repeat']} | {r['records_gbps']} | {r['sequential_direct_gbps']} | "
-                  f"{r['ratio']} |" for r in rows]
-        lines += ["", f"Best: {best['ratio']:.2f} of the disk's sequential O_DIRECT read "
-                      f"({best['threads']} threads)."]
-        (RESULTS / f"nvme_io_{tag}.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+                "record_bytes": io.record_bytes, "write_gbps": round(total / write_s / 1e9, 3)}
+        if tag != "cpu":
+            command = f"SEKV_BENCH_TAG={tag} {command}"
+            meta.update(command=command, commands=[command])
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        data = {"meta": meta, "rows": rows}
+        (RESULTS / f"{tag}.json").write_text(json.dumps(data, indent=1))
+        write_report(data, tag)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def write_report(data: dict, tag: str) -> None:
+    meta, rows = data["meta"], data["rows"]
+    best = max(rows, key=lambda r: r["ratio"])
+    lines = [*H.header_from(meta, f"NVMe record reads vs sequential O_DIRECT read ({tag})"),
+             f"Folder `{meta['dir']}`; {meta['records']} records of {meta['record_bytes']} bytes, "
+             f"O_DIRECT={meta['o_direct']}, write-behind {meta['write_gbps']} GB/s.", "",
+             "| threads | repeat | records GB/s | sequential O_DIRECT GB/s | ratio |", "|---|---|---|---|---|"]
+    lines += [f"| {r['threads']} | {r['repeat']} | {r['records_gbps']} | {r['sequential_direct_gbps']} | "
+              f"{r['ratio']} |" for r in rows]
+    lines += ["", f"Best: {best['ratio']:.2f} of the disk's sequential O_DIRECT read "
+                  f"({best['threads']} threads)."]
+    H.write_report(RESULTS / f"{tag}.md", lines)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,16 +11,16 @@ serves the same text + ~64 new tokens, 1 output token; its time to first
 token is vLLM's own (`vllm:time_to_first_token_seconds`), beside the plain
 server's for the same prompt after its prefix cache was reset. SmolLM2-135M
 (bf16), real `vllm serve` processes, one after the other on this machine.
-Writes benchmarks/results/remote_restore/{summary.json,report.md}.
+Writes benchmarks/results/remote_restore/{summary.json,report.md}, the
+Markdown headed by the machine, commit and command; `--report-only` writes it
+again from summary.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +28,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # testbed
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import report_header as H  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
 VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
@@ -111,13 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--histories", type=int, nargs="+", default=[1024, 7168])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "remote_restore"))
+    p.add_argument("--out", default=str(H.results_dir("remote_restore")))
+    p.add_argument("--report-only", action="store_true", help="only write report.md again from summary.json")
     args = p.parse_args(argv)
+    out_dir = Path(args.out)
+    if args.report_only:
+        write_report(json.loads((out_dir / "summary.json").read_text()), out_dir)
+        return 0
     from transformers import AutoTokenizer
 
-    from vllm_sekv.essays import essay_text
+    from vllm_sekv.calibration_corpus import essay_text
     from vllm_sekv.models import prepare_model
-    from vllm_sekv.serving import LocalServer
+    from testbed.serving import LocalServer
 
     model = str(prepare_model(quiet=True))
     tok = AutoTokenizer.from_pretrained(model)
@@ -160,17 +168,20 @@ def main(argv: list[str] | None = None) -> int:
         cells.append({"history_tokens": h, "ttft_remote_s": round(remote, 4), "ttft_plain_s": round(plain, 4),
                       "speedup": round(plain / remote, 2),
                       "remote_restored_tokens": statistics.median(r["remote_restored_tokens"] for r in rs)})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    command = "python benchmarks/remote_restore.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    out_dir = Path(args.out)
+    command = H.command(__file__, argv)
+    meta = H.meta(command)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"machine": f"CPU ({platform.processor() or platform.machine()})", "commit": commit,
-               "command": command, "rows": cells, "read_throughput": throughput, "trials": rows}
+    summary = {"machine": meta["machine"], "commit": meta["commit"], "command": command, "meta": meta,
+               "repeats": args.repeats, "rows": cells, "read_throughput": throughput, "trials": rows}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    lines = ["# Remote tier: a follow-up on another server, restored from Redis", "",
-             f"`{command}` (commit {commit}, this project's CPU machine, SmolLM2-135M bf16, real `vllm serve`, "
-             f"one real Redis server; medians of {args.repeats})", "",
+    write_report(summary, out_dir)
+    return 0
+
+
+def write_report(summary: dict, out_dir: Path) -> None:
+    cells, throughput = summary["rows"], summary["read_throughput"]
+    lines = [*H.header_from(summary["meta"], "Remote tier: a follow-up on another server, restored from Redis"),
+             f"SmolLM2-135M bf16, real `vllm serve`, one real Redis server; medians of {summary['repeats']}.", "",
              "| history tokens | restored from Redis | TTFT from Redis | plain re-prefill TTFT | ratio |",
              "|---|---|---|---|---|"]
     lines += [f"| {c['history_tokens']} | {c['remote_restored_tokens']:.0f} | {c['ttft_remote_s']:.3f} s | "
@@ -179,9 +190,8 @@ def main(argv: list[str] | None = None) -> int:
               f"every record's identity and checksum verified, into host slots): "
               f"{throughput['sekv_gbps']} GB/s against {throughput['plain_get_gbps']} GB/s for a plain "
               f"redis-py GET loop of the same keys ({throughput['sekv_over_plain']}x), same run."]
-    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    H.write_report(out_dir / "report.md", lines)
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

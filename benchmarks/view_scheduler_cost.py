@@ -8,17 +8,26 @@ blocks, the request's tokens given as the view job gives them (history +
 generated), mean over 128 tokens.
 
     python benchmarks/view_scheduler_cost.py
+
+Writes benchmarks/results/scheduler_cost/views.{json,md} (`--out DIR`), the
+Markdown headed by the machine, commit and command; hand-written notes at its
+end are kept.
 """
+import argparse
+import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
+
+import report_header as H
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.connector.views import ViewCoordinator
+from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator
 from vllm_sekv.store import LRUPolicy
 from vllm_sekv.workspace.catalog import BlockCatalog
 from vllm_sekv.workspace.hashing import JoinedTokens, extend_block_hashes
@@ -26,6 +35,9 @@ from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
 
 N, BT, VIEW = 524288, 32, 65536
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--out", default=str(H.results_dir("scheduler_cost")), help="writes OUT/views.{json,md}")
+args = ap.parse_args()
 cfg = SekvConfig(view_tokens=VIEW)
 catalog = BlockCatalog(N // BT + 64, LRUPolicy())
 planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
@@ -79,3 +91,19 @@ print(f"  {'total':12s} {sum(medians.values()) * 1e3:7.1f}")
 _, req = step(4)
 per_token = decode(req)
 print(f"decode: {per_token * 1e3:.2f} ms per token (plan + confirm, mean of 128 tokens)")
+
+data = {"meta": H.meta(H.command(__file__)), "history_tokens": N, "block_tokens": BT, "view_tokens": VIEW,
+        "step_median_ms": {k: v * 1e3 for k, v in medians.items()}, "step_total_ms": sum(medians.values()) * 1e3,
+        "decode_ms_per_token": per_token * 1e3}
+out = Path(args.out)
+out.mkdir(parents=True, exist_ok=True)
+(out / "views.json").write_text(json.dumps(data, indent=1) + "\n")
+H.write_report(out / "views.md", [
+    *H.header_from(data["meta"], "Scheduler-side host cost of a step served from views (no model)"),
+    f"A {N}-token history in the workspace ({BT}-token blocks), {VIEW}-token views: admission, the probe "
+    "pass, the final pass and its step plan (median of 3 steps after a warm-up), then decoding (plan + "
+    "confirmation per generated token, mean of 128 tokens).", "",
+    "| " + " | ".join(data["step_median_ms"]) + " | step total | decode, per token |",
+    "|---" * (len(data["step_median_ms"]) + 2) + "|",
+    "| " + " | ".join(f"{v:.1f} ms" for v in data["step_median_ms"].values())
+    + f" | {data['step_total_ms']:.1f} ms | {data['decode_ms_per_token']:.2f} ms |"])

@@ -1,6 +1,6 @@
 """Layers depend downward only (docs/architecture.md): a lower layer never imports an upper one,
 workspace/, index/, store/ and ops/ never import vLLM, and the connector's two sides never
-import each other (they share only `vllm_sekv.connector`)."""
+import each other or the facade (they share only `vllm_sekv.protocol`)."""
 import ast
 from pathlib import Path
 
@@ -9,18 +9,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("vllm_sekv.scheduler_side", "vllm_sekv.worker_side")
 ENTRY = ("vllm_sekv.plugin", "vllm_sekv.cli", "vllm_sekv.attention")
-UPPER_OF_POLICY = ("vllm_sekv.connector", "vllm_sekv.compat", "vllm_sekv.model_identity", *SIDES, *ENTRY, "vllm")
+FACADE = ("vllm_sekv.connector",)
+UPPER_OF_POLICY = (*FACADE, "vllm_sekv.protocol", "vllm_sekv.compat", "vllm_sekv.model_identity", *SIDES, *ENTRY, "vllm")
 # layer -> (folder or module path, imports it must not make)
 RULES = {
     "vllm_sekv/ops": ("vllm_sekv.store", "vllm_sekv.index", "vllm_sekv.workspace", *UPPER_OF_POLICY),
     "vllm_sekv/store": ("vllm_sekv.index", "vllm_sekv.workspace", *UPPER_OF_POLICY),
     "vllm_sekv/index": ("vllm_sekv.workspace", *UPPER_OF_POLICY),
     "vllm_sekv/workspace": UPPER_OF_POLICY,
-    "vllm_sekv/compat": ("vllm_sekv.connector", *SIDES, *ENTRY),
-    "vllm_sekv/connector": ("vllm_sekv.plugin", "vllm_sekv.cli"),
-    "vllm_sekv/scheduler_side": ("vllm_sekv.worker_side", *ENTRY),
-    "vllm_sekv/worker_side": ("vllm_sekv.scheduler_side", *ENTRY),
-    "vllm_sekv/attention": ("vllm_sekv.connector", *SIDES, "vllm_sekv.plugin", "vllm_sekv.cli"),
+    "vllm_sekv/compat": (*FACADE, "vllm_sekv.protocol", *SIDES, *ENTRY),
+    "vllm_sekv/protocol": (*FACADE, *SIDES, *ENTRY),
+    "vllm_sekv/scheduler_side": (*FACADE, "vllm_sekv.worker_side", *ENTRY),
+    "vllm_sekv/worker_side": (*FACADE, "vllm_sekv.scheduler_side", *ENTRY),
+    "vllm_sekv/attention": (*FACADE, "vllm_sekv.protocol", *SIDES, "vllm_sekv.plugin", "vllm_sekv.cli"),
 }
 
 
@@ -36,7 +37,8 @@ def imports(path: Path) -> set[str]:
 
 def violations(folder: str, forbidden: tuple[str, ...]) -> list[str]:
     out = []
-    for path in sorted((ROOT / folder).rglob("*.py")):
+    where = ROOT / folder
+    for path in [where] if where.is_file() else sorted(where.rglob("*.py")):
         for name in imports(path):
             if any(name == f or name.startswith(f + ".") for f in forbidden):
                 out.append(f"{path.relative_to(ROOT)} imports {name}")
@@ -47,6 +49,12 @@ def violations(folder: str, forbidden: tuple[str, ...]) -> list[str]:
 def test_layer_imports_only_downward(folder):
     assert (ROOT / folder).is_dir()
     assert violations(folder, RULES[folder]) == []
+
+
+def test_the_facade_sits_on_top():
+    """The connector facade dispatches to the two sides; nothing below imports it."""
+    assert (ROOT / "vllm_sekv/connector.py").is_file()
+    assert violations("vllm_sekv/connector.py", ("vllm_sekv.plugin", "vllm_sekv.cli")) == []
 
 
 def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):

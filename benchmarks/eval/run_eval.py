@@ -23,114 +23,32 @@ Before each request it resets vLLM's prefix cache when the server allows it
 (`VLLM_SERVER_DEV_MODE=1`, set for its own servers), so every time to first
 token is a cold prefill of what the method sends.
 
-Writes `<out>.json` (every trial and the per-cell summary), `<out>.md` and
-`<out>.png` (accuracy vs history length per method and task; needs matplotlib).
+Writes `<out>.json` (every trial and the per-cell summary), `<out>.md` (headed
+by the machine, commit and command) and `<out>.png` (accuracy vs history length
+per method and task; needs matplotlib); `<out>` is
+benchmarks/results/eval_baselines/report unless `--out` says otherwise
+(`--method sekv-views`: benchmarks/results/views_eval/report).
 With `--merge`, trials already in `<out>.json` are kept unless re-run.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import re
-import shlex
 import statistics
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks as tasklib  # noqa: E402
 import views_eval  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-VIEWS_COUNTER = "vllm:sekv_views_total"
-VLLM_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.5", "--enable-prompt-tokens-details"]
-
-
-class SekvViewsUnsupported(RuntimeError):
-    """The server cannot serve execution views; no number is reported for it."""
+from eval_common import (  # noqa: E402,F401 (re-exported: the names this module has always had)
+    BASELINES_OUT, RESULTS, VIEWS_COUNTER, VIEWS_OUT, VLLM_ARGS, SekvViewsUnsupported, ask, metrics,
+    reset_prefix_cache, require_views, start_server)
+from eval_common import H  # noqa: E402
 
 
-# ---------------------------------------------------------------- server side
-
-def metrics(url: str) -> dict[str, float]:
-    """All `vllm:sekv_*` samples of /metrics, summed over labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for name, value in re.findall(r"^(vllm:sekv_[A-Za-z0-9_:]+)(?:\{[^}]*\})? (\S+)$", text, re.M):
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
-def reset_prefix_cache(url: str) -> bool:
-    try:
-        req = urllib.request.Request(url + "/reset_prefix_cache", method="POST")
-        urllib.request.urlopen(req, timeout=30).close()
-        return True
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def require_views(url: str) -> None:
-    try:
-        found = VIEWS_COUNTER in metrics(url)
-    except (urllib.error.URLError, OSError) as e:
-        raise SekvViewsUnsupported(f"cannot read {url}/metrics: {e}") from e
-    if not found:
-        raise SekvViewsUnsupported(
-            f"the server at {url} does not export {VIEWS_COUNTER}: it has no sekv execution "
-            "views (plain vLLM, or sekv without views). Start it with the sekv connector and "
-            "view support (see benchmarks/eval/README.md); no sekv-views numbers are reported.")
-
-
-def start_server(model_dir: str, args, sekv: dict | None, max_model_len: int | None = None,
-                 env: dict | None = None):
-    from vllm_sekv.serving import LocalServer
-
-    log = Path(tempfile.gettempdir()) / f"sekv_eval_server_{'sekv' if sekv is not None else 'plain'}_{os.getpid()}.log"
-    dtype = ["--dtype", args.dtype] if args.dtype else []
-    server = LocalServer(model_dir, sekv=sekv, log_path=log,
-                         vllm_args=["--max-model-len", str(max_model_len or args.max_model_len), *dtype,
-                                    *VLLM_ARGS, *shlex.split(args.server_args)],
-                         env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
-                              "VLLM_SERVER_DEV_MODE": "1", **(env or {})})
-    print(f"starting {'sekv' if sekv is not None else 'plain'} vLLM server (log: {log}):\n  "
-          f"{' '.join(server.cmd[1:])}\n  env {env or {}}", flush=True)
-    server.log = log
-    return server.start(timeout_s=900)
-
-
-# ---------------------------------------------------------------- one request
-
-def ask(client, model: str, messages: list[dict], max_tokens: int, extra: dict) -> dict:
-    """Stream one greedy chat completion; time to first content chunk and usage."""
-    body = dict(extra)
-    if messages[-1]["role"] == "assistant":  # answer prefix: the model continues it
-        body.update(continue_final_message=True, add_generation_prompt=False)
-    t0 = time.perf_counter()
-    ttft, text, usage = None, "", None
-    stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body=body)
-    for event in stream:
-        if event.choices and event.choices[0].delta.content:
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            text += event.choices[0].delta.content
-        if event.usage:
-            usage = event.usage
-    total = time.perf_counter() - t0
-    details = getattr(usage, "prompt_tokens_details", None) if usage else None
-    return {"response": text, "ttft_s": ttft if ttft is not None else total, "total_s": total,
-            "prompt_tokens": usage.prompt_tokens if usage else None,
-            "cached_tokens": (details.cached_tokens or 0) if details else None}
-
+# ---------------------------------------------------------------- one trial
 
 def run_trial(client, model, url, task, method, budget, args, tok) -> dict:
     extra: dict = {}
@@ -216,9 +134,10 @@ def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
     methods = sorted({c["method"] for c in cells}, key=lambda m: (m.split("-")[0], -int(m.split("-")[-1]) if m[-1].isdigit() else 0))
     lengths = sorted({c["target_tokens"] for c in cells})
     by = {(c["task"], c["target_tokens"], c["method"]): c for c in cells}
-    lines = [f"# Long-context agent tasks: baselines on {meta['model']}", "",
-             f"Command: `{meta['command']}`  ", f"{meta['machine']}; {meta['date']}; greedy, "
-             f"max_tokens={meta['max_tokens']}, answer prefix: {meta['answer_prefix']}, "
+    lines = [*H.header(f"Long-context agent tasks: baselines on {meta['model']}",
+                       meta.get("commands") or [meta["command"]], meta["machine"], meta.get("commit", "unknown"),
+                       meta["date"]),
+             f"Greedy, max_tokens={meta['max_tokens']}, answer prefix: {meta['answer_prefix']}, "
              f"prefix cache reset before each request: {meta['reset_cache']}.", "",
              "Accuracy = share of trials whose reply contains the gold answer (exact substring). "
              "`needle in prompt` = share of trials in which every fact the question needs was "
@@ -247,7 +166,7 @@ def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
                   ", ".join(f"`{k}` {v}" for k, v in c["sekv_means"].items()) for c in sekv_cells]
     if meta.get("notes"):
         lines += ["", "## Notes", ""] + [f"* {n}" for n in meta["notes"]]
-    path.write_text("\n".join(lines) + "\n")
+    H.write_report(path, lines)
 
 
 def plot(path: Path, cells: list[dict]) -> str | None:
@@ -298,7 +217,7 @@ def main() -> None:
     ap.add_argument("--no-reset-cache", dest="reset_cache", action="store_false")
     ap.add_argument("--dtype", help="`vllm serve --dtype` of the servers this script starts "
                     "(default: vLLM's auto, bfloat16 for SmolLM2)")
-    views = ap.add_argument_group("sekv-views (views_run.py; writes eval_views by default)")
+    views = ap.add_argument_group("sekv-views (views_run.py; writes benchmarks/results/views_eval/report by default)")
     views.add_argument("--views-max-model-len", type=int, default=131072,
                        help="--max-model-len of the sekv server (with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
     views.add_argument("--views-kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE of the sekv server")
@@ -316,9 +235,11 @@ def main() -> None:
     views.add_argument("--coverage-threads", type=int, default=2)
     views.add_argument("--resume", action="store_true",
                        help="keep the trials already in <out>.json and skip them (implies --merge)")
-    views.add_argument("--baselines", default=str(RESULTS / "eval_baselines.json"),
+    views.add_argument("--baselines", default=str(BASELINES_OUT) + ".json",
                        help="reference rows (full, sliding-4096) for the views report")
-    ap.add_argument("--out", default=str(RESULTS / "eval_baselines"), help="output path without suffix")
+    ap.add_argument("--out", default=str(BASELINES_OUT),
+                    help="output path without suffix (default: benchmarks/results/eval_baselines/report; "
+                         "with --method sekv-views: benchmarks/results/views_eval/report)")
     ap.add_argument("--merge", action="store_true", help="keep trials already in <out>.json")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
     ap.add_argument("--merge-from", nargs="+", default=[], metavar="JSON",
@@ -349,7 +270,7 @@ def main() -> None:
 
     if "sekv-views" in args.method:
         if args.method != ["sekv-views"]:
-            sys.exit("error: run --method sekv-views on its own (its report is eval_views)")
+            sys.exit("error: run --method sekv-views on its own (its report is benchmarks/results/views_eval/)")
         import views_run
         views_run.main(args)
         return
@@ -437,9 +358,9 @@ def main() -> None:
     rows = [r for r in old if _key(r) not in done] + rows
     cells = summarize(rows)
     prev_meta = json.loads(Path(str(out) + ".json").read_text())["meta"] if old else {}
-    meta = {"command": "python benchmarks/eval/run_eval.py " + " ".join(sys.argv[1:]),
-            "commands": prev_meta.get("commands", []) + ["python benchmarks/eval/run_eval.py " + " ".join(sys.argv[1:])],
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
+    command = H.command(__file__)
+    meta = {"command": command, "commands": prev_meta.get("commands", []) + [command],
+            "machine": H.machine(), "commit": H.commit(),
             "model": Path(model_dir).name, "max_tokens": args.max_tokens,
             "max_model_len": args.max_model_len, "answer_prefix": not args.no_answer_prefix,
             "reset_cache": args.reset_cache, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

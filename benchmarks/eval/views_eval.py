@@ -8,7 +8,7 @@
   (Hugging Face transformers, float32, CPU), as mass per 32-token block, per
   layer, query head and query; `coverage` = share of it on a set of blocks.
 * `write_views_report` / `plot_views`: the Markdown and plot of the views run,
-  with reference rows taken from `eval_baselines.json`.
+  with reference rows taken from `benchmarks/results/eval_baselines/report.json`.
 
 No server, no network.
 """

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import tasks as tasklib
 import views_eval as V
+from eval_common import H
 
 WINDOW = 8192
 VIEW_METHODS = ("sekv-views-1024", "sekv-views-2048", "sekv-views-4096")
@@ -31,6 +32,14 @@ def _f(x, fmt="{:.0f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
+def _shown(path: str) -> str:
+    """A path as the repository names it (absolute elsewhere)."""
+    try:
+        return str(Path(path).resolve().relative_to(H.REPO))
+    except ValueError:
+        return str(path)
+
+
 def write(out: Path, data: dict, base: dict, base_path: str) -> None:
     meta, cells, trials = data["meta"], data["cells"], data["trials"]
     tasks_run = [t for t in tasklib.TASKS if any(c["task"] == t for c in cells)]
@@ -42,10 +51,10 @@ def write(out: Path, data: dict, base: dict, base_path: str) -> None:
     beyond = [n for n in lengths if n >= WINDOW]
     views = [r for r in trials if r["method"] == "sekv-views"]
     loads = [r["loadavg_1m"] for r in trials if "loadavg_1m" in r]
-    L = []
-    L += ["# sekv execution views on long-context agent tasks (SmolLM2-135M-Instruct)", "",
-          f"Run: {meta.get('started')} – {meta.get('date')} (UTC) on {meta['machine']}; "
-          f"vLLM {meta.get('vllm', '?')}, dtype **{meta['dtype']}** (the baselines' servers ran with vLLM's "
+    L = H.header("sekv execution views on long-context agent tasks (SmolLM2-135M-Instruct)",
+                 [f".venv/bin/{c}" for c in meta["commands"]], meta["machine"], meta.get("commit", "unknown"),
+                 f"{meta.get('started')} – {meta.get('date')}")
+    L += [f"vLLM {meta.get('vllm', '?')}, dtype **{meta['dtype']}** (the baselines' servers ran with vLLM's "
           "`auto`, which is bfloat16 for this model: their logs say `dtype=torch.bfloat16`), greedy, "
           f"max_tokens={meta['max_tokens']}, answer prefix: {meta['answer_prefix']}, prefix cache reset "
           f"before each timed request: {meta['reset_cache']}.", ""]
@@ -53,9 +62,6 @@ def write(out: Path, data: dict, base: dict, base_path: str) -> None:
         L += [f"1-minute load average at the end of each trial: min {min(loads):.1f}, median "
               f"{statistics.median(loads):.1f}, max {max(loads):.1f} (2 cores shared with other jobs: "
               "compare TTFT only within this run).", ""]
-    L += ["Commands (from the checkout root):", ""]
-    L += [f"    .venv/bin/{c}" for c in meta["commands"]]
-    L += [""]
     if meta.get("sekv_server"):
         s = meta["sekv_server"]
         L += ["sekv server (one for every budget; each request asks for its own budget):", "",
@@ -70,7 +76,7 @@ def write(out: Path, data: dict, base: dict, base_path: str) -> None:
           "and the `plain-sliding-4096` cells (a plain vLLM server, `--max-model-len 8192`, re-prefilling "
           "the 4096-token sliding window, prefix cache reset before each request, its requests interleaved "
           "with the sekv trials of the same history).",
-          f"* **Taken from `{Path(base_path).name}`** (measured {base['meta']['date']}, same tasks, same "
+          f"* **Taken from `{_shown(base_path)}`** (measured {base['meta']['date']}, same tasks, same "
           "seeds 0-4, same generator, checker, max_tokens and answer prefix): the `full` and `sliding-4096` "
           "accuracy (and their TTFT, which ran in another machine state and is not compared here).",
           f"* Each sekv trial: {meta['replay_steps']} earlier steps of the session (the history cut after "
@@ -291,6 +297,6 @@ def write(out: Path, data: dict, base: dict, base_path: str) -> None:
     L += ["", "## Plot", "", f"![accuracy vs history length]({out.name}.png)", "",
           "Accuracy vs history length per method: `full` and `sliding-4096` from the baselines, "
           "`sekv-views-1024/2048/4096` from this run; dotted line: the model's window (8192)."]
-    Path(str(out) + ".md").write_text("\n".join(L) + "\n")
+    H.write_report(Path(str(out) + ".md"), L)
     msg = V.plot_views(Path(str(out) + ".png"), cells, bcells)
     print(msg or f"wrote {out}.md and {out}.png")

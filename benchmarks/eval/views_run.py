@@ -32,18 +32,16 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-import run_eval as R
+import eval_common as R
 import tasks as tasklib
 import views_eval as V
 
-DEFAULT_OUT = R.RESULTS / "eval_views"
+DEFAULT_OUT = R.VIEWS_OUT
 
 
 def _parse_spec(spec: str, n: int) -> list:
@@ -186,7 +184,7 @@ def main(args) -> None:
     from vllm_sekv.models import prepare_model
 
     out = Path(args.out)
-    if out == R.RESULTS / "eval_baselines":
+    if out == R.BASELINES_OUT:  # run_eval.py's default: the baselines' report
         out = DEFAULT_OUT
     out.parent.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or str(prepare_model(quiet=True))
@@ -223,10 +221,10 @@ def main(args) -> None:
     done = {_key(r) for r in rows}
     if args.resume:
         work = [w for w in work if (w[1], w[2], w[3], w[0], w[4]) not in done]
-    command = "python benchmarks/eval/run_eval.py " + " ".join(sys.argv[1:])
+    command = R.H.command(Path(__file__).with_name("run_eval.py"))
     meta = old["meta"] if old else {}
     meta.update({
-        "commands": meta.get("commands", []) + [command], "machine": _machine(),
+        "commands": meta.get("commands", []) + [command], "machine": _machine(), "commit": R.H.commit(),
         "model": Path(model_dir).name, "max_tokens": args.max_tokens, "dtype": args.dtype or "auto",
         "answer_prefix": not args.no_answer_prefix, "reset_cache": args.reset_cache,
         "replay_steps": args.replay_steps, "budgets": sorted({c[2] for c in cells}),
@@ -322,7 +320,7 @@ def run_coverage(args, out: Path, meta: dict, rows: list[dict], model_dir: str, 
 
 def report(args, out: Path | None = None) -> None:
     import views_report
-    out = out or (DEFAULT_OUT if Path(args.out) == R.RESULTS / "eval_baselines" else Path(args.out))
+    out = out or (DEFAULT_OUT if Path(args.out) == R.BASELINES_OUT else Path(args.out))
     data = json.loads(Path(str(out) + ".json").read_text())
     data["cells"] = V.summarize_views(data["trials"])
     if args.report_only and args.note:

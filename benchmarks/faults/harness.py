@@ -134,7 +134,7 @@ class FaultRun:
 
     def compute_reference(self, steps: list[Step]) -> None:
         """Plain vLLM's greedy tokens for every step (its prefix cache reset before each)."""
-        from vllm_sekv.serving import LocalServer
+        from testbed.serving import LocalServer
 
         with LocalServer(self.model, None, self.vllm_args, self.env,
                          log_path=self.workdir / "plain.log") as plain:
@@ -143,7 +143,7 @@ class FaultRun:
                 self.reference[step] = complete(plain.url, self.model, step, self.max_tokens, sekv=False)["token_ids"]
 
     def start(self) -> None:
-        from vllm_sekv.serving import LocalServer
+        from testbed.serving import LocalServer
 
         for attempt in range(2):
             self.server = LocalServer(self.model, self.sekv_config, self.vllm_args, self.env,

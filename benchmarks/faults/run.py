@@ -7,23 +7,25 @@ sekv server (tiny host and NVMe budgets, the NVMe folder on a small tmpfs
 where it can mount one) through `--faults` seeded faults. Writes
 `summary.json` (`{"commit", "seed", "faults_injected", "faults_by_kind",
 "kills", "restarts", "requests", "wrong_tokens", "engine_crashes",
-"failed_startups", "restored_after_restart_tokens", ...}`), `report.md` with
-the command, and `run.log`.
+"failed_startups", "restored_after_restart_tokens", ..., "meta"}`), `report.md`
+headed by the machine, commit and command (`--report-only` writes it again
+from summary.json), and `run.log` (every fault as it was injected, and the
+counters after it).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # testbed
+import report_header as H  # noqa: E402
 from harness import FaultRun, sessions  # noqa: E402
 
 VLLM_ARGS = ["--max-model-len", "4096", "--enforce-eager", "--dtype", "float32", "--gpu-memory-utilization", "0.5"]
@@ -37,10 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--max-kills", type=int, default=None)
     p.add_argument("--requests-per-fault", type=float, default=0.3)
-    p.add_argument("--out", default="benchmarks/results/faults")
+    p.add_argument("--out", default=str(H.results_dir("faults")))
     p.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
+    p.add_argument("--report-only", action="store_true", help="only write report.md again from summary.json")
     args = p.parse_args(argv)
-    from vllm_sekv.essays import essay_text
+    if args.report_only:
+        write_report(json.loads((Path(args.out) / "summary.json").read_text()), Path(args.out))
+        return 0
+    from vllm_sekv.calibration_corpus import essay_text
     from vllm_sekv.models import prepare_model
 
     model = args.model or str(prepare_model(quiet=True))
@@ -67,23 +73,26 @@ def main(argv: list[str] | None = None) -> int:
         counters = run.run(args.faults, steps, args.requests_per_fault, max_kills=args.max_kills)
     finally:
         run.close()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    summary = {"commit": commit, "seed": args.seed, **counters.summary(),
-               "seconds": round(time.time() - t0), "tmpfs": run.tmpfs}
+    meta = H.meta(H.command(__file__, argv))
+    summary = {"commit": meta["commit"], "seed": args.seed, **counters.summary(),
+               "seconds": round(time.time() - t0), "tmpfs": run.tmpfs, "meta": meta}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    command = "python benchmarks/faults/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items() if k != "faults_by_kind")
-    kinds = "\n".join(f"| {k} | {v} |" for k, v in summary["faults_by_kind"].items())
-    (out / "report.md").write_text(
-        f"# Fault injection\n\nSmolLM2-135M-Instruct (float32) through real `vllm serve` with sekv: host tier "
-        f"{SEKV['host_bytes']}, NVMe tier {SEKV['nvme_bytes']} on a small tmpfs; every answer compared token by "
-        f"token with plain vLLM's greedy answer to the same prompt.\n\n"
-        f"`{command}` (commit {commit}, {platform.processor() or platform.machine()}, "
-        f"{datetime.date.today().isoformat()}, {summary['seconds']} s)\n\n"
-        f"| figure | value |\n|---|---|\n{rows}\n\n| fault | injected |\n|---|---|\n{kinds}\n")
+    write_report(summary, out)
     log(json.dumps(summary))
     return 0 if summary["wrong_tokens"] == summary["engine_crashes"] == summary["failed_startups"] == 0 else 1
+
+
+def write_report(summary: dict, out: Path) -> None:
+    rows = [f"| {k} | {v} |" for k, v in summary.items() if k not in ("faults_by_kind", "meta")]
+    kinds = [f"| {k} | {v} |" for k, v in summary["faults_by_kind"].items()]
+    H.write_report(out / "report.md", [
+        *H.header_from(summary["meta"], "Fault injection"),
+        f"SmolLM2-135M-Instruct (float32) through real `vllm serve` with sekv: host tier {SEKV['host_bytes']}, "
+        f"NVMe tier {SEKV['nvme_bytes']} on a small tmpfs; every answer compared token by token with plain "
+        f"vLLM's greedy answer to the same prompt; {summary['seconds']} s. `run.log`: every fault as it was "
+        "injected, and the counters after it.", "",
+        "| figure | value |", "|---|---|", *rows, "",
+        "| fault | injected |", "|---|---|", *kinds])
 
 
 if __name__ == "__main__":

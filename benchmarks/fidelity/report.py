@@ -1,6 +1,6 @@
 """The fidelity report: trial lines (`run.py --out`) -> summary.json, report.md, accuracy.png.
 
-    python benchmarks/fidelity/report.py TRIALS.jsonl [MORE.jsonl ...] --out-dir benchmarks/results/fidelity
+    python benchmarks/fidelity/report.py TRIALS.jsonl [MORE.jsonl ...] [--out-dir benchmarks/results/fidelity]
 
 One cell per (family, history tokens, method, budget): n trials, correct,
 accuracy with a 95% Wilson interval, the share of trials whose prompt or view
@@ -9,7 +9,8 @@ held the answer, the median time to first token and bytes moved per step.
 cell (`task`, `history_tokens`, `method`, `view_tokens`, `n`, `correct`,
 `accuracy`, `ci95`, `answer_in_view`, `ttft_s_median`, `bytes_moved_median`);
 "all" rows pool the families. Run headers (`<trials>.meta.json`, written by
-run.py: machine, commit, command) go into the Markdown.
+run.py: machine, commit, command) make the Markdown's header, with this
+command last.
 """
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as H  # noqa: E402
 
 ORDER = ("full", "sliding", "rag", "oracle", "views", "meank", "sekv")
 
@@ -66,18 +71,22 @@ def cells(trials: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], metas: list[dict], model: str) -> str:
-    out = ["# Fidelity: do views keep an agent's answers right?", "",
+def run_header(metas: list[dict], report_command: str) -> dict:
+    """The runs' machines, commits, dates and commands, then the command that made this report."""
+    def joined(key: str) -> str:
+        return "; ".join(dict.fromkeys(str(m[key]) for m in metas if m.get(key))) or "?"
+    vllm = joined("vllm")
+    return {"machine": joined("machine") + (f" (vLLM {vllm})" if vllm != "?" else ""), "commit": joined("commit"),
+            "date": joined("date"), "commands": [m["command"] for m in metas if m.get("command")] + [report_command]}
+
+
+def markdown(rows: list[dict], metas: list[dict], model: str, report_command: str) -> list[str]:
+    out = [*H.header_from(run_header(metas, report_command), "Fidelity: do views keep an agent's answers right?"),
            f"Model: {model}. Each trial is one question of a multi-question agent session "
            "(`benchmarks/fidelity/sessions.py`); accuracy with a 95% Wilson interval; "
            "\"in view\": the share of trials whose prompt (text methods) or view held the answer's "
            "evidence; TTFT: vLLM's own time to first token, median; moved: bytes restored to the "
            "device per step, median (views).", ""]
-    for meta in metas:
-        out += [f"- run: `{meta.get('command', '?')}`",
-                f"  machine {meta.get('machine', '?')}, commit {meta.get('commit', '?')}, "
-                f"vLLM {meta.get('vllm', '?')}, {meta.get('date', '?')}"]
-    out.append("")
     for length in sorted({r["history_tokens"] for r in rows}):
         out += [f"## {length} history tokens", "",
                 "| task | method | budget | n | accuracy | 95% CI | later questions | in view | TTFT s | moved MB |",
@@ -94,7 +103,7 @@ def markdown(rows: list[dict], metas: list[dict], model: str) -> str:
                 f"{'-' if r['ttft_s_median'] is None else format(r['ttft_s_median'], '.3f')} | "
                 f"{r['bytes_moved_median'] / 1e6:.0f} |")
         out.append("")
-    return "\n".join(out) + "\n"
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -133,7 +142,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trials", nargs="+")
-    p.add_argument("--out-dir", required=True)
+    p.add_argument("--out-dir", default=str(H.results_dir("fidelity")))
     args = p.parse_args(argv)
     trials, metas = [], []
     for path in map(Path, args.trials):
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     model = metas[-1].get("model", "?") if metas else "?"
     commit = metas[-1].get("commit", "?") if metas else "?"
     (out / "summary.json").write_text(json.dumps({"model": model, "commit": commit, "rows": rows}, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(rows, metas, model))
+    H.write_report(out / "report.md", markdown(rows, metas, model, H.command(__file__, argv)))
     plotted = plot(rows, out / "accuracy.png")
     print(f"{len(trials)} trials, {len(rows)} cells -> {out}/summary.json, report.md"
           + (", accuracy.png" if plotted else ""))

@@ -3,7 +3,7 @@
     python benchmarks/fidelity/run.py --model DIR --families multikey,squad \\
         --lengths 30720,131072 --sessions 10 \\
         --methods full sliding:8192 rag:8192 oracle:8192 views:8192 views:4096 \\
-        --out benchmarks/results/fidelity/trials.jsonl [--resume]
+        --out benchmarks/results/fidelity/runs/NAME.jsonl [--resume]
 
 A method is `NAME` or `NAME:BUDGET` (view or prompt budget in tokens). Each
 text method (`full`, `sliding`, `rag`, `oracle`; `prompts.py`) runs on a
@@ -42,6 +42,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # testbed
 import prompts  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
@@ -159,7 +160,7 @@ class Servers:
     """One plain server per text method and one sekv server per configuration, started one by one."""
 
     def __init__(self, args, configs: dict[str, list[int]], text_methods: list[str], window: int) -> None:
-        from vllm_sekv.serving import LocalServer
+        from testbed.serving import LocalServer
 
         self.model = args.model
         common = ["--dtype", args.dtype, "--enable-prompt-tokens-details", "--max-num-seqs", "4",

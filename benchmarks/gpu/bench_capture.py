@@ -1,7 +1,7 @@
 """Host time of capturing one decode step's K/V (the per-layer work the
 attention hook adds to every decode step), on the GPU machine.
 
-    python benchmarks/gpu/bench_capture.py --out $OUT/bench_capture
+    python benchmarks/gpu/bench_capture.py [--paged] [--out benchmarks/results/gpu_capture/report]
 
 Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16). K/V of each
 layer are strided views into a fused qkv buffer, as vLLM hands them over. Each
@@ -22,13 +22,16 @@ then times, on the host (median of `--steps`):
   from the paged caches, rotation fused);
 * `settle`: the next step's wait for those copies.
 
-Writes OUT.json and OUT.md.
+Writes OUT.json and OUT.md (default benchmarks/results/gpu_capture/report),
+the Markdown headed by the machine, commit and command; `--report-only`
+writes the Markdown again from OUT.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -41,7 +44,22 @@ from vllm_sekv.store import HostPool
 from vllm_sekv.store.capture import CaptureWriter, StepCapture
 from vllm_sekv.store.host_pool import to_device
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as RH  # noqa: E402
+
 LAYERS, HQ, H, D = 32, 32, 8, 128
+
+
+def report(data: dict, out: Path) -> None:
+    """OUT.md from the run's JSON (`data`)."""
+    a = data["args"]
+    mode = "paged (gathered after the forward)" if a["paged"] else "layer by layer"
+    lines = [*RH.header_from(data["meta"], f"Capture host time per step ({a['tokens']} tokens, {LAYERS} layers, "
+                                           f"{mode}; median of {a['steps']})"),
+             "| part | us |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in data["us"].items()]
+    RH.write_report(out.with_suffix(".md"), lines)
+    print("\n".join(lines), flush=True)
 
 
 def main() -> None:
@@ -49,8 +67,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=1, help="batch rows per step (decode: 1)")
     ap.add_argument("--paged", action="store_true", help="gather from paged caches after the forward")
-    ap.add_argument("--out", default="benchmarks/results/gpu/bench_capture")
+    ap.add_argument("--out", default=str(RH.results_dir("gpu_capture") / "report"), help="writes OUT.json and OUT.md")
+    ap.add_argument("--report-only", action="store_true", help="only write OUT.md again from OUT.json")
     args = ap.parse_args()
+    if args.report_only:
+        report(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
+        return
     dev = torch.device("cuda")
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     rope = RopeSpec(inv, D, True)
@@ -94,17 +116,13 @@ def main() -> None:
     writer.settle()
     result = {k: statistics.median(v) for k, v in parts.items()}
     result["take_per_layer_us"] = result["take"] / LAYERS
-    mode = "paged (gathered after the forward)" if args.paged else "layer by layer"
-    lines = [f"# Capture host time per step ({args.tokens} tokens, {LAYERS} layers, {mode}; median of {args.steps})",
-             "", "    python benchmarks/gpu/bench_capture.py " + f"--steps {args.steps} --tokens {args.tokens}"
-             + (" --paged" if args.paged else ""), "",
-             "| part | us |", "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in result.items()]
+    data = {"meta": RH.meta(RH.command(__file__)), "args": {"steps": args.steps, "tokens": args.tokens,
+                                                               "paged": args.paged},
+            "us": result, "runs_us": parts}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"us": result, "runs_us": parts}, indent=1))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    report(data, out)
 
 
 if __name__ == "__main__":

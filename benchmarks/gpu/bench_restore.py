@@ -8,32 +8,37 @@ are a random permutation of the cache's pages. Figures:
   plain_h2d      one contiguous pinned->device copy of the same bytes (baseline)
   naive          one copy per (block, layer, K/V, page) straight into the cache,
                  no re-RoPE at all (a generous lower bound on that path's cost)
-  pipeline/*     RestorePipeline.restore + wait (gather, H2D, scatter+re-RoPE)
+  pipeline/*     RestorePipeline.restore + wait (H2D per run of slots, scatter+re-RoPE)
   scatter_only   the Triton scatter+re-RoPE from device staging, and its
                  PyTorch reference, for one working set (HBM read+write GB/s)
+
+    python benchmarks/gpu/bench_restore.py [--out benchmarks/results/gpu_restore_pipeline/report.json]
+    python benchmarks/gpu/report.py restore     # its Markdown report, headed by machine, commit, command
 """
 from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 
 from common import LLAMA3_8B, KvGeometry, event_ms, machine_facts, median, wall_ms, write_json
-from vllm_sekv.store.gpu_pool import GpuBlockPool
 from vllm_sekv.store.transfer import RestorePipeline
-from vllm_sekv.triton_kernels.rope import kernel as rope_kernel
-from vllm_sekv.triton_kernels.rope import scatter_reference
-from vllm_sekv.triton_kernels.rope.reference import RopeSpec
+from vllm_sekv.ops.rope import scatter as rope_kernel
+from vllm_sekv.ops.rope import scatter_reference
+from vllm_sekv.ops import RopeSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as RH  # noqa: E402
 
 WORKING_SETS = [8192, 65536]  # tokens
-VARIANTS = [  # name, mode, batch_blocks, num_threads, num_buffers
-    ("gather-t8-b64", "gather", 64, 8, 2),
-    ("gather-t16-b64", "gather", 64, 16, 2),
-    ("direct-b16", "direct", 16, 1, 2),
-    ("direct-b64", "direct", 64, 1, 2),  # RestorePipeline's default
-    ("direct-b64-nb3", "direct", 64, 1, 3),
-    ("direct-b128", "direct", 128, 1, 2),
+VARIANTS = [  # name, batch_blocks, num_buffers
+    ("b16", 16, 2),
+    ("b64", 64, 2),  # RestorePipeline's default
+    ("b64-nb3", 64, 3),
+    ("b128", 128, 2),
 ]
 SCATTER_HEADS_PER_PROG = [1, 2, 8]
 
@@ -66,47 +71,6 @@ def copy_probe(pool, n_blocks, repeats) -> dict:
         ms = median(wall_ms(lambda: torch_copies(slots), repeats))
         out[f"torch_{name}_GBps"] = out["bytes"] / ms / 1e6
     del dst
-    return out
-
-
-def gpu_pool_steps(geo, pool, host_slots, keys, vals, slot_mapping, deltas, rope, repeats, base_GBps, nbytes) -> dict:
-    """A step whose selection shares half (then all) of its blocks with the
-    previous step: only the missing half moves host->device (GpuBlockPool.diff)."""
-    n = len(host_slots)
-    gp = GpuBlockPool(n, pool.shape[1:], geo.dtype, "cuda")
-    pipe = RestorePipeline(pool.shape[1:], geo.dtype, "cuda")  # defaults
-    sm_b = slot_mapping.cuda().view(n, geo.block_tokens)
-    dl_b = deltas.cuda().view(n, geo.block_tokens)
-    used = set(host_slots)
-    fresh = [s for s in range(pool.shape[0]) if s not in used][: n - n // 2]
-    sel1, sel2 = list(host_slots), list(host_slots[: n // 2]) + fresh
-
-    def step(sel):
-        d = gp.diff(sel)
-        rows_in = gp.admit(d.incoming, protected=sel)
-        pos = {b: j for j, b in enumerate(sel)}
-        idx_in = torch.tensor([pos[b] for b in d.incoming], dtype=torch.long, device="cuda")
-        idx_res = torch.tensor([pos[b] for b, _ in d.resident], dtype=torch.long, device="cuda")
-        handle = None
-        if d.incoming:
-            handle = pipe.restore(pool, d.incoming, keys, vals, sm_b[idx_in].reshape(-1), dl_b[idx_in].reshape(-1),
-                                  rope, device_buffer=gp.data, device_rows=rows_in)
-        pipe.scatter_resident(gp.data, [r for _, r in d.resident], keys, vals, sm_b[idx_res].reshape(-1),
-                              dl_b[idx_res].reshape(-1), rope)
-        gp.touch(sel)
-        return handle
-
-    step(sel1)
-    torch.cuda.synchronize()
-    half = wall_ms(lambda: (gp.invalidate(fresh), step(sel2)), repeats)
-    full_hit = wall_ms(lambda: step(sel2), repeats)
-    out = {"reuse_50pct_ms": median(half), "reuse_100pct_ms": median(full_hit),
-           "reuse_50pct_effective_GBps": nbytes / median(half) / 1e6,
-           "reuse_100pct_effective_GBps": nbytes / median(full_hit) / 1e6,
-           "plain_h2d_ms_same_bytes": nbytes / base_GBps / 1e6}
-    pipe.close()
-    del gp
-    torch.cuda.empty_cache()
     return out
 
 
@@ -157,20 +121,16 @@ def run(geo: KvGeometry, working_sets, variants, repeats: int, naive_max_tokens:
                               "copies": n_blocks * pages_per_block * geo.num_layers * 2}
 
         entry["pipeline"] = {}
-        for name, mode, batch_blocks, threads, buffers in variants:
-            pipe = RestorePipeline(pool.shape[1:], geo.dtype, "cuda", batch_blocks=batch_blocks,
-                                   num_threads=threads, mode=mode, num_buffers=buffers)
+        for name, batch_blocks, buffers in variants:
+            pipe = RestorePipeline(pool.shape[1:], geo.dtype, "cuda", batch_blocks=batch_blocks, num_buffers=buffers)
             sm, dl = slot_mapping.cuda(), deltas.cuda()
             ms = wall_ms(lambda: pipe.restore(pool, host_slots, keys, vals, sm, dl, rope).wait(), repeats)
-            entry["pipeline"][name] = {"mode": mode, "batch_blocks": batch_blocks, "num_threads": threads,
-                                       "num_buffers": buffers,
+            entry["pipeline"][name] = {"batch_blocks": batch_blocks, "num_buffers": buffers,
                                        "ms": median(ms), "GBps": nbytes / median(ms) / 1e6,
                                        "fraction_of_plain_h2d": nbytes / median(ms) / 1e6 / base, "runs_ms": ms}
             pipe.close()
             del pipe
         entry["copy_probe"] = copy_probe(pool, n_blocks, repeats)
-        entry["gpu_pool_steps"] = gpu_pool_steps(geo, pool, host_slots, keys, vals, slot_mapping, deltas, rope,
-                                                 repeats, base, nbytes)
         # Check the last pipeline result against the reference on a sample of layers.
         staged = pool[host_slots[:64]].cuda()
         kv_ref = torch.zeros_like(kv[:2])
@@ -214,21 +174,22 @@ def run(geo: KvGeometry, working_sets, variants, repeats: int, naive_max_tokens:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=str(RH.results_dir("gpu_restore_pipeline") / "report.json"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, nargs="*", default=WORKING_SETS)
     ap.add_argument("--naive-max-tokens", type=int, default=65536)
     args = ap.parse_args()
     res = run(LLAMA3_8B, args.tokens, VARIANTS, args.repeats, args.naive_max_tokens)
     res["machine"] = machine_facts()
+    res["meta"] = RH.meta([RH.command(__file__), "python benchmarks/gpu/report.py restore"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, res)
     for s in res["sets"]:
         print(f"restore {s['tokens']:>6} tok  plain {s['plain_h2d']['GBps']:.1f} GB/s  "
               + (f"naive {s['naive']['GBps']:.1f}  " if "naive" in s else "")
               + "  ".join(f"{k} {v['GBps']:.1f} ({v['fraction_of_plain_h2d']:.2f})" if "GBps" in v else f"{k} {v}"
                           for k, v in s["pipeline"].items())
-              + f"  err {s['check_max_abs_err_vs_reference']:.3g}  pool-reuse 50%: {s['gpu_pool_steps']['reuse_50pct_ms']:.1f} ms"
-              + f" 100%: {s['gpu_pool_steps']['reuse_100pct_ms']:.1f} ms  probe {s['copy_probe']}")
+              + f"  err {s['check_max_abs_err_vs_reference']:.3g}  probe {s['copy_probe']}")
     so = res["scatter_only"]
     print(f"scatter-only {so['tokens']} tok: d2d copy {so['d2d_copy_ms']:.2f} ms, reference {so['reference_ms']:.1f} ms, "
           + ", ".join(f"{k} {v['ms']:.2f} ms ({v['hbm_GBps']:.0f} GB/s)" for k, v in so["triton"].items()))

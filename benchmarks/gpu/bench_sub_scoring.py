@@ -8,10 +8,11 @@ candidate blocks (all of them; a few not indexed) of a random bfloat16 index
 float32 copy, batched matmul, logsumexp, masked softmax, sum) and (b)
 `sub_blocks.score_sub_blocks`, each over all layers between CUDA events
 (median of `--repeats` after a warm-up), checks the kernel against the eager
-scores on every layer, prints a markdown table and writes JSON (`--out`,
-default $OUT/bench_sub_scoring.json when OUT is set, else
-benchmarks/results/gpu/bench_sub_scoring.json). `--sweep` also times a few
-tile configs for the first kind. About 10-30 s of GPU time (mostly filling
+scores on every layer, and writes JSON and a Markdown table headed by the
+machine, commit and command (`--out`, default $OUT/bench_sub_scoring.json when
+OUT is set, else benchmarks/results/gpu_sub_scoring/report.json; the Markdown
+beside it, `.md`; `--report-only` writes it again from the JSON). `--sweep`
+also times a few tile configs for the first kind. About 10-30 s of GPU time (mostly filling
 the index and the eager path).
 
 Run from anywhere: python benchmarks/gpu/bench_sub_scoring.py [--blocks 16384] [--kinds sub4_pre mean_pre]
@@ -19,6 +20,7 @@ Run from anywhere: python benchmarks/gpu/bench_sub_scoring.py [--blocks 16384] [
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -26,6 +28,9 @@ import sys
 import torch
 
 from common import event_ms, machine_facts, median, write_json
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import report_header as RH  # noqa: E402
 
 KINDS = ("sub4_pre", "mean_pre")
 LAYERS, KV_HEADS, HEAD_DIM, Q_HEADS, QUERIES = 32, 8, 128, 32, 64
@@ -44,12 +49,29 @@ SWEEP = {  # name -> SubBlockConfig kwargs
 def default_out() -> str:
     if os.environ.get("OUT"):
         return os.path.join(os.environ["OUT"], "bench_sub_scoring.json")
-    return str(pathlib.Path(__file__).resolve().parents[1] / "results" / "gpu" / "bench_sub_scoring.json")
+    return str(RH.results_dir("gpu_sub_scoring") / "report.json")
+
+
+def report(out: dict, path: pathlib.Path) -> list[str]:
+    """The Markdown of a run's JSON (`out`), written beside it (`.md`)."""
+    blocks = out["results"][0]["blocks"] if out["results"] else 0
+    lines = [*RH.header_from(out["meta"], "Probe scoring: the fused sub-block kernel vs the eager path"),
+             f"{blocks} candidate blocks, {LAYERS} layers, {QUERIES} queries x {Q_HEADS} heads, "
+             f"{KV_HEADS} KV heads, D={HEAD_DIM}, bf16 entries ({out['machine']['gpu']}, torch "
+             f"{out['machine']['torch']}, Triton {out['machine']['triton']}); median of the timed repeats.", "",
+             "| kind | S | eager ms | kernel ms | eager/kernel | kernel TFLOP/s | max abs diff | rel L2 | top-64 overlap |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in out["results"]:
+        lines.append(f"| {r['kind']} | {r['S']} | {r['eager_ms']:.2f} | {r['kernel_ms']:.2f} | "
+                     f"{r['eager_over_kernel']:.1f}x | {r['kernel_TFLOPs']:.0f} | {r['max_abs_diff_vs_eager']:.2e} | "
+                     f"{r['max_rel_l2_vs_eager']:.1e} | {r['min_top64_overlap_vs_eager']:.2f} |")
+    RH.write_report(path.with_suffix(".md"), lines)
+    return lines
 
 
 def build_index(kind: str, blocks: int, invalid_every: int):
     from vllm_sekv.ops import RopeSpec
-    from vllm_sekv.workspace.block_index import BlockIndex
+    from vllm_sekv.index.block_index import BlockIndex
 
     inv = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
     index = BlockIndex(blocks + SPARE_SLOTS, LAYERS, KV_HEADS, HEAD_DIM, RopeSpec(inv_freq=inv, rotary_dim=HEAD_DIM),
@@ -62,7 +84,7 @@ def build_index(kind: str, blocks: int, invalid_every: int):
 
 
 def run_kind(kind: str, args, sweep: bool) -> dict:
-    from vllm_sekv.triton_kernels.scoring import sub_blocks
+    from vllm_sekv.ops.scoring import sub_block_scoring as sub_blocks
 
     torch.manual_seed(0)
     index = build_index(kind, args.blocks, args.invalid_every)
@@ -126,7 +148,11 @@ def main() -> None:
     ap.add_argument("--invalid-every", type=int, default=997, help="every n-th candidate is not indexed")
     ap.add_argument("--sweep", action="store_true", help="also time a few tile configs (first kind)")
     ap.add_argument("--out", default=default_out())
+    ap.add_argument("--report-only", action="store_true", help="only write the Markdown again from --out's JSON")
     args = ap.parse_args()
+    if args.report_only:
+        print("\n".join(report(json.loads(pathlib.Path(args.out).read_text()), pathlib.Path(args.out))))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_sub_scoring.py needs CUDA (an NVIDIA GPU); nothing was run")
     out = {"geometry": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "q_heads": Q_HEADS,
@@ -138,19 +164,11 @@ def main() -> None:
         print(f"{kind}: eager {r['eager_ms']:.2f} ms, kernel {r['kernel_ms']:.2f} ms "
               f"({r['eager_over_kernel']:.1f}x), max |diff| {r['max_abs_diff_vs_eager']:.2e}", flush=True)
     out["machine"] = machine_facts()
-    print()
-    print(f"{args.blocks} candidate blocks, {LAYERS} layers, {QUERIES} queries x {Q_HEADS} heads, "
-          f"{KV_HEADS} KV heads, D={HEAD_DIM}, bf16 entries ({out['machine']['gpu']})")
-    print()
-    print("| kind | S | eager ms | kernel ms | eager/kernel | kernel TFLOP/s | max abs diff | rel L2 | top-64 overlap |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in out["results"]:
-        print(f"| {r['kind']} | {r['S']} | {r['eager_ms']:.2f} | {r['kernel_ms']:.2f} | {r['eager_over_kernel']:.1f}x "
-              f"| {r['kernel_TFLOPs']:.0f} | {r['max_abs_diff_vs_eager']:.2e} | {r['max_rel_l2_vs_eager']:.1e} "
-              f"| {r['min_top64_overlap_vs_eager']:.2f} |")
+    out["meta"] = RH.meta(RH.command(__file__))
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, out)
-    print(f"\nwrote {args.out}")
+    print("\n" + "\n".join(report(out, pathlib.Path(args.out))))
+    print(f"\nwrote {args.out} and its .md")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,25 @@
-"""Render the GPU benchmark JSON (restore.json, scoring.json) as Markdown tables.
+"""Render the GPU component benchmarks' JSON as their Markdown reports.
 
-Usage: python benchmarks/gpu/report.py benchmarks/results/gpu  > tables.md
+    python benchmarks/gpu/report.py restore   # benchmarks/results/gpu_restore_pipeline/report.{json -> md}
+    python benchmarks/gpu/report.py scoring   # benchmarks/results/gpu_scoring/report.json (+ queries*.json) -> report.md
+
+`restore`: `bench_restore.py`'s JSON; `scoring`: `bench_scoring.py`'s (the
+Mean-K scoring kernel and GPU memory), plus the same kernel at 64 and 512
+query tokens measured in one later invocation (`queries64.json`,
+`queries512.json`) where present. Each report starts with the JSON's header
+(machine, commit, command: `meta`); hand-written notes after
+`report_header.NOTES_MARK` in an existing report are kept. `--dir` reads and
+writes another folder.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as RH  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -30,10 +43,10 @@ def restore_tables(r: dict) -> list[str]:
     out += ["| working set | 4 MiB torch copies, scattered slots | same, consecutive slots | step, 50% of blocks "
             "already in the GPU pool | step, 100% in the GPU pool | max abs err vs reference |", "|---|---|---|---|---|---|"]
     for s in r["sets"]:
-        p, g = s["copy_probe"], s["gpu_pool_steps"]
+        p, g = s["copy_probe"], s.get("gpu_pool_steps")  # runs before the pool's removal measured it
+        reuse = (f"{g['reuse_50pct_ms']:.1f} ms | {g['reuse_100pct_ms']:.1f} ms" if g else "- | -")
         out.append(f"| {s['tokens'] // 1024}K | {p['torch_scattered_GBps']:.1f} GB/s | {p['torch_consecutive_GBps']:.1f} GB/s"
-                   f" | {g['reuse_50pct_ms']:.1f} ms | {g['reuse_100pct_ms']:.1f} ms | "
-                   f"{s['check_max_abs_err_vs_reference']:.3g} |")
+                   f" | {reuse} | {s['check_max_abs_err_vs_reference']:.3g} |")
     so = r["scatter_only"]
     out += ["", f"Scatter + re-RoPE alone ({so['tokens'] // 1024}K tokens, device staging -> paged cache, "
             f"{so['bytes_moved'] / GiB:.0f} GiB read+written): device-to-device copy of the same bytes "
@@ -85,13 +98,41 @@ def scoring_tables(s: dict) -> list[str]:
     return out
 
 
+def queries_table(d: Path) -> list[str]:
+    """The kernel at 64 and 512 query tokens, one invocation (`queries64.json`, `queries512.json`)."""
+    runs = {q: json.loads((d / f"queries{q}.json").read_text()) for q in (64, 512) if (d / f"queries{q}.json").exists()}
+    if not runs:
+        return []
+    by = {q: {e["workspace_tokens"]: e for e in r["sizes"]} for q, r in runs.items()}
+    sizes = sorted({t for q in by for t in by[q]})
+    out = ["", "### (d) The same kernel at 512 and at 64 query tokens, one invocation", "",
+           "| workspace | " + " | ".join(f"{q} queries" for q in runs) + " | PyTorch reference, 64 queries |",
+           "|---" * (len(runs) + 2) + "|"]
+    for t in sizes:
+        cells = [f"{by[q][t]['triton_max_ms']:.2f} ms" if t in by[q] else "-" for q in runs]
+        ref = by.get(64, {}).get(t, {}).get("reference_ms")
+        out.append(f"| {t:,} | " + " | ".join(cells) + f" | {f'{ref:.1f} ms' if ref else '-'} |")
+    return out
+
+
+TITLES = {"restore": "GPU restore pipeline: pinned host -> paged cache with re-RoPE, against plain H2D",
+          "scoring": "GPU Mean-K scoring latency and GPU memory"}
+FOLDERS = {"restore": "gpu_restore_pipeline", "scoring": "gpu_scoring"}
+
+
 def main() -> None:
-    d = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/gpu")
-    lines = []
-    if (d / "restore.json").exists():
-        lines += restore_tables(json.loads((d / "restore.json").read_text()))
-    if (d / "scoring.json").exists():
-        lines += scoring_tables(json.loads((d / "scoring.json").read_text()))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=sorted(TITLES))
+    ap.add_argument("--dir", help="folder of report.json (default: the benchmark's results folder)")
+    args = ap.parse_args()
+    d = Path(args.dir) if args.dir else RH.results_dir(FOLDERS[args.what])
+    data = json.loads((d / "report.json").read_text())
+    lines = RH.header_from(data["meta"], TITLES[args.what])
+    if args.what == "restore":
+        lines += restore_tables(data)
+    else:
+        lines += scoring_tables(data) + queries_table(d)
+    RH.write_report(d / "report.md", lines)
     print("\n".join(lines))
 
 

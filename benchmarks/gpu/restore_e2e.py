@@ -2,7 +2,7 @@
 inside real vLLM on the GPU machine (Llama-3.1-8B geometry, dummy weights, bf16).
 
     python benchmarks/gpu/restore_e2e.py --engines plain native warm sekv-host sekv-batched sekv-disk \
-        --lengths 8192 32768 65536 130944 --out $OUT/restore_e2e
+        --lengths 8192 32768 65536 130944 [--out benchmarks/results/gpu_restore/report]
 
 For each history length L an agent step is simulated: the history (L random
 token ids) is prefilled once (max_tokens=1), vLLM's GPU prefix cache is reset,
@@ -28,8 +28,11 @@ Each repeat's new tokens are fresh (so `warm` never hits its own earlier step).
 Also measured in the same run: pinned host->device copy bandwidth (1 GiB,
 median of 5), which bounds any restore from host memory, and the bandwidth of
 the pitched copies a layerwise restore makes (one layer of 256 consecutive
-4 MiB slots per K/V copy). Writes OUT.json and OUT.md. No figure is estimated:
-every number is measured here.
+4 MiB slots per K/V copy). Writes OUT.json and OUT.md (default
+benchmarks/results/gpu_restore/report), the Markdown headed by the machine,
+commit and command (`benchmarks/report_header.py`). No figure is estimated:
+every number is measured here. `--merge A.json B.json` writes one report from
+runs made apart (e.g. lengths on two machines).
 """
 from __future__ import annotations
 
@@ -43,7 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as H  # noqa: E402
+
 NEW_TOKENS = 64
+TITLE = "GPU end to end: restore vs re-prefill vs vLLM's native offloading"
 LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -218,18 +225,13 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
 
 
 def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argparse.Namespace, out: Path,
-           commands: list[str] | None = None) -> None:
+           meta: dict | None = None) -> None:
     by = {(r["engine"], r["history_tokens"]): r for r in rows}
     kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
-    commands = commands or [f"python benchmarks/gpu/restore_e2e.py {' '.join(sys.argv[1:])}"]
+    meta = meta or H.meta(H.command(__file__))
     lengths = sorted({r["history_tokens"] for r in rows}) or args.lengths
     lines = [
-        "# GPU end to end: restore vs re-prefill vs vLLM's native offloading",
-        "",
-        "Command(s):",
-        "",
-        *[f"    {c}" for c in commands],
-        "",
+        *H.header_from(meta, TITLE),
         f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, eager; "
         f"{NEW_TOKENS} new tokens per step; time to first token of the follow-up step after vLLM's GPU "
         f"prefix cache was reset, median over resets (sekv disk: the first follow-up only; `warm`: "
@@ -292,10 +294,26 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
             lines += ["", *sync_audit.table(r["syncs"], f"Synchronizations in the last follow-up, {r['engine']} at "
                                             f"{r['history_tokens'] // 1024}K (`--sync-audit`; by the innermost "
                                             "sekv frame, else vLLM frame):")]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"h2d_bytes_per_s": bandwidth, "pitched_bytes_per_s": pitched,
-                                                    "rows": rows, "commands": commands}, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    H.write_report(out.with_suffix(".md"), lines)
+    old = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+    out.with_suffix(".json").write_text(json.dumps({
+        "meta": meta, "h2d_bytes_per_s": bandwidth, "pitched_bytes_per_s": pitched, "rows": rows,
+        "commands": meta["commands"],
+        # runs the report's History table quotes (hand-added), kept when the report is written again
+        **({"earlier_runs": old["earlier_runs"]} if old.get("earlier_runs") else {})}, indent=1))
     print("\n".join(lines), flush=True)
+
+
+def merged_meta(runs: list[dict], merge_command: str) -> dict:
+    """One header for runs made apart: their machines, commits and commands, then the merge (a
+    single run's JSON rendered again keeps its own header)."""
+    metas = [run.get("meta") or {"commands": run.get("commands", [])} for run in runs]
+
+    def joined(key: str) -> str:
+        return "; ".join(dict.fromkeys(m[key] for m in metas if m.get(key))) or "unknown"
+    return {"machine": joined("machine"), "commit": joined("commit"), "date": joined("date"),
+            "commands": [c for m in metas for c in m["commands"]] + ([merge_command] if len(runs) > 1 else [])}
 
 
 def main() -> None:
@@ -315,17 +333,17 @@ def main() -> None:
                          "follow-up inside vLLM's and sekv's methods (host_timers.py)")
     ap.add_argument("--sync-audit", action="store_true",
                     help="count the synchronizing CUDA operations of the last follow-up, by place (sync_audit.py)")
-    ap.add_argument("--out", default="benchmarks/results/gpu/restore_e2e")
+    ap.add_argument("--out", default=str(H.results_dir("gpu_restore") / "report"),
+                    help="writes OUT.json and OUT.md")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="only write the report from these runs' JSON outputs (e.g. engines run apart)")
     args = ap.parse_args()
     if args.merge:
         runs = [json.loads(Path(p).read_text()) for p in args.merge]
         rows = [r for run in runs for r in run["rows"]]
-        commands = [c for run in runs for c in run.get("commands", [])]
         bandwidth = min(run["h2d_bytes_per_s"] for run in runs)
         pitched = min((run["pitched_bytes_per_s"] for run in runs if run.get("pitched_bytes_per_s")), default=None)
-        report(rows, bandwidth, pitched, args, Path(args.out), commands)
+        report(rows, bandwidth, pitched, args, Path(args.out), merged_meta(runs, H.command(__file__)))
         return
     if args.engine_spec:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
@@ -350,9 +368,7 @@ def main() -> None:
             if engine == "sekv-batched":
                 sekv["restore_mode"] = "batched"
             rows += run_engine({**base, "engine": engine, "sekv": sekv}, workdir)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report(rows, bandwidth, pitched, args, out)
+    report(rows, bandwidth, pitched, args, Path(args.out))
 
 
 if __name__ == "__main__":

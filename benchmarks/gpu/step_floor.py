@@ -1,6 +1,6 @@
-"""The floor under any restore's time to first token inside vLLM (issue 7, item 3).
+"""The floor under any restore's time to first token inside vLLM.
 
-    python benchmarks/gpu/step_floor.py --lengths 65536 130048 --out $OUT/step_floor
+    python benchmarks/gpu/step_floor.py --lengths 65536 130048 [--out benchmarks/results/gpu_step_floor/report]
 
 A follow-up step after vLLM's GPU prefix cache was reset cannot show its first
 token before two things that happen one after the other:
@@ -15,7 +15,9 @@ token before two things that happen one after the other:
 The floor is their sum; the rest of vLLM's step (scheduling, the forward pass,
 sampling) comes on top, partly hidden under the transfer. Measured with the
 real vLLM `Request` and hasher and a real pinned copy; nothing is estimated.
-Writes OUT.json and OUT.md.
+Writes OUT.json and OUT.md (default benchmarks/results/gpu_step_floor/report),
+the Markdown headed by the machine, commit and command; `--report-only`
+writes the Markdown again from OUT.json.
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as H  # noqa: E402
 from restore_e2e import LLAMA31_8B, h2d_bandwidth  # noqa: E402
 
 HASH_BLOCK_TOKENS = 16
-# The issue's targets for the follow-up step's time to first token.
+# The targets for the follow-up step's time to first token (at 127K: 30x faster than re-prefill).
 TARGETS_S = {65536: 0.19, 130048: 10.4 / 30}
 
 
@@ -61,11 +65,38 @@ def request_creation_s(num_tokens: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def report(data: dict, out: Path) -> None:
+    """OUT.md from the run's JSON (`data`)."""
+    bandwidth = data["bandwidth_bytes_per_s"]
+    lines = [
+        *H.header_from(data["meta"], "The floor under a restore's time to first token inside vLLM"),
+        f"vLLM {data['vllm']}, torch {data.get('torch', '?')}, {data.get('gpu', '?')}; pinned host->device "
+        f"{bandwidth / 1e9:.1f} GB/s measured here; Llama-3.1-8B KV ({bytes_per_token(LLAMA31_8B) // 1024} KiB "
+        f"per token); vLLM's default prefix-cache hash, {HASH_BLOCK_TOKENS}-token blocks. Request creation: "
+        "median of 5.",
+        "",
+        "| history | vLLM creates the request (hashing) | KV transfer bound | floor (sum) | target |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        target = f"{r['target_s']:.3f} s" if r["target_s"] else "—"
+        lines.append(f"| {r['history_tokens'] // 1024}K | {r['request_creation_s'] * 1e3:.1f} ms | "
+                     f"{r['transfer_bound_s'] * 1e3:.1f} ms | {r['floor_s'] * 1e3:.1f} ms | {target} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    H.write_report(out.with_suffix(".md"), lines)
+    print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 130048])
-    ap.add_argument("--out", default="benchmarks/results/gpu/step_floor")
+    ap.add_argument("--out", default=str(H.results_dir("gpu_step_floor") / "report"), help="writes OUT.json and OUT.md")
+    ap.add_argument("--report-only", action="store_true", help="only write OUT.md again from OUT.json")
     args = ap.parse_args()
+    out = Path(args.out)
+    if args.report_only:
+        report(json.loads(out.with_suffix(".json").read_text()), out)
+        return
     import torch
     import vllm
 
@@ -77,29 +108,11 @@ def main() -> None:
         rows.append({"history_tokens": length, "request_creation_s": hashing, "transfer_bound_s": transfer,
                      "floor_s": hashing + transfer, "target_s": TARGETS_S.get(length)})
         print(rows[-1], flush=True)
-    lines = [
-        "# The floor under a restore's time to first token inside vLLM",
-        "",
-        f"    python benchmarks/gpu/step_floor.py {' '.join(sys.argv[1:])}",
-        "",
-        f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}; pinned host->device "
-        f"{bandwidth / 1e9:.1f} GB/s measured here; Llama-3.1-8B KV ({bytes_per_token(LLAMA31_8B) // 1024} KiB "
-        f"per token); vLLM's default prefix-cache hash, {HASH_BLOCK_TOKENS}-token blocks. Request creation: "
-        "median of 5.",
-        "",
-        "| history | vLLM creates the request (hashing) | KV transfer bound | floor (sum) | issue's target |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        target = f"{r['target_s']:.3f} s" if r["target_s"] else "—"
-        lines.append(f"| {r['history_tokens'] // 1024}K | {r['request_creation_s'] * 1e3:.1f} ms | "
-                     f"{r['transfer_bound_s'] * 1e3:.1f} ms | {r['floor_s'] * 1e3:.1f} ms | {target} |")
-    out = Path(args.out)
+    data = {"meta": H.meta(H.command(__file__)), "rows": rows, "bandwidth_bytes_per_s": bandwidth,
+            "vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "bandwidth_bytes_per_s": bandwidth,
-                                                    "vllm": vllm.__version__}, indent=1))
-    print("\n".join(lines), flush=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    report(data, out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A long agent session served from execution views inside real vLLM on the
-GPU machine (issue 7, item 4): Llama-3.1-8B geometry, dummy weights, bf16.
+GPU machine: Llama-3.1-8B geometry, dummy weights, bf16.
 
     python benchmarks/gpu/views_e2e.py --sizes 65536 131072 262144 524288 --view-tokens 65536 \
-        --host-bytes 72G --out $OUT/views_e2e
+        --host-bytes 72G [--out benchmarks/results/gpu_views/report]
 
 The session's history (random token ids) grows step by step to each size in
 `--sizes`; the growing step ingests the new history into the sekv workspace
@@ -29,7 +29,10 @@ does by default (asynchronously on GPUs); engines `plain-sync` and
 `sekv-sync` turn vLLM's asynchronous scheduling off, which separates its
 gain from the connector's own cost.
 
-Writes OUT.json and OUT.md.
+Writes OUT.json and OUT.md (default benchmarks/results/gpu_views/report), the
+Markdown headed by the machine, commit and command
+(`benchmarks/report_header.py`); `--merge A.json B.json` writes one report
+from runs made apart.
 """
 from __future__ import annotations
 
@@ -45,7 +48,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from restore_e2e import LLAMA31_8B  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as H  # noqa: E402
+from restore_e2e import LLAMA31_8B, merged_meta  # noqa: E402
 
 NEW_TOKENS = 64
 GIB = 1 << 30
@@ -235,24 +240,20 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
     return json.loads(Path(spec["out"]).read_text())
 
 
-def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list[str] | None = None) -> None:
+def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | None = None) -> None:
     plain = next((r for r in rows if r["engine"] == "plain"), None)
     plain_sync = next((r for r in rows if r["engine"] == "plain-sync"), None)
     sekv = [r for r in rows if r["engine"] == "sekv"]
     sekv_sync = next((r for r in rows if r["engine"] == "sekv-sync" and "decode" in r), None)
-    commands = commands or [f"python benchmarks/gpu/views_e2e.py {' '.join(sys.argv[1:])}"]
+    meta = meta or H.meta(H.command(__file__))
     modes = ", ".join(f"{r['engine']} {r['cudagraph_mode']}" for r in {r["engine"]: r for r in rows}.values()
                       if r.get("cudagraph_mode"))
     graphs = f"CUDA graphs (vLLM default; {modes})" if modes else "CUDA graphs (vLLM default)"
     lines = [
-        "# GPU end to end: a long session served from execution views",
-        "",
-        "Command(s):",
-        "",
-        *[f"    {c}" for c in commands],
-        "",
-        f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, "
-        f"{graphs if args.cuda_graphs else 'eager'}, one H200; "
+        *H.header_from(meta, "End to end inside vLLM: a long session served from execution views"),
+        (f"{Path(args.model_dir).name} (`--model-dir`), " if args.model_dir else
+         "Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), dummy weights, ")
+        + f"{graphs if args.cuda_graphs else 'eager'}; "
         f"views of {args.view_tokens} tokens, {NEW_TOKENS} new tokens per step, history KV in sekv's pinned "
         f"host tier ({args.host_bytes}). Time to first token = probe (new tokens + block scoring on the GPU "
         "index) + final pass (restore of the view with re-RoPE + new tokens), median of the steps. "
@@ -295,8 +296,10 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
         lines += ["", line + "."]
     lines += timer_tables(rows)
     lines += sync_tables(rows)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": " && ".join(commands)}, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    H.write_report(out.with_suffix(".md"), lines)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows,
+                                                    "command": " && ".join(meta["commands"])}, indent=1))
     print("\n".join(lines), flush=True)
 
 
@@ -361,12 +364,14 @@ def main() -> None:
                     help="count the synchronizing CUDA operations per step and decode token, by place (sync_audit.py)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="vLLM's CUDA graphs (its default on GPUs) instead of eager mode, for every engine")
-    ap.add_argument("--out", default="benchmarks/results/gpu/views_e2e")
+    ap.add_argument("--out", default=str(H.results_dir("gpu_views") / "report"), help="writes OUT.json and OUT.md")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only write the report from these runs' JSON")
     args = ap.parse_args()
     if args.merge:
         runs = [json.loads(Path(p).read_text()) for p in args.merge]
-        report([r for run in runs for r in run["rows"]], args, Path(args.out), [run["command"] for run in runs])
+        for run in runs:  # a run written before the header existed: its command only
+            run.setdefault("meta", {"commands": run["command"].split(" && ")})
+        report([r for run in runs for r in run["rows"]], args, Path(args.out), merged_meta(runs, H.command(__file__)))
         return
     if args.engine_spec:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
@@ -393,9 +398,7 @@ def main() -> None:
         else:
             max_len = args.view_tokens + NEW_TOKENS + args.decode_tokens + 64
             rows += run_engine({**base, "engine": engine, "max_model_len": max_len}, workdir)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report(rows, args, out)
+    report(rows, args, Path(args.out))
 
 
 if __name__ == "__main__":

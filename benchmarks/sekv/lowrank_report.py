@@ -2,7 +2,13 @@
 only of measured numbers). Pure formatting; writes one file."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from lowrank_analysis import ROUNDING, SEG_MEAN
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as H  # noqa: E402
 
 
 def _pct(x) -> str:
@@ -105,8 +111,9 @@ def _cheapest(res: dict, bounds=(0.05, 0.1, 0.2)) -> list[str]:
 
 def write_md(res: dict, path: str) -> None:
     a = res["setup"]["args"]
-    lines = ["# lowrank(r) codec study: bytes moved vs reconstruction error\n",
-             f"```\n{res['command']}\n```\n",
+    meta = res.get("meta") or {"commands": [res["command"]]}
+    lines = ["\n".join(H.header("lowrank(r) codec study: bytes moved vs reconstruction error", meta["commands"],
+                                 meta.get("machine"), meta.get("commit"), meta.get("date"))),
              f"Produced by `benchmarks/sekv/lowrank_study.py` in {res['elapsed_s'] / 60:.1f} min on CPU "
              "(captured K/V are cached under `--cache-dir`; a re-run reuses them). "
              f"Model: {res['setup']['model']}, {res['setup']['layers']} layers, {res['setup']['kv_heads']} KV heads, "
@@ -145,4 +152,4 @@ def write_md(res: dict, path: str) -> None:
         lines += _says(name, seg, a["ranks"], a["dtype"])
         lines.append("")
     lines += _cheapest(res)
-    open(path, "w").write("\n".join(lines))
+    H.write_report(path, lines)

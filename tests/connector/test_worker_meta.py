@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from vllm_sekv.connector.metadata import SekvWorkerMeta
+from vllm_sekv.protocol.metadata import SekvWorkerMeta
 from vllm_sekv.index.block_summaries import combine_heads
 
 

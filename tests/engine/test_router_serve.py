@@ -1,5 +1,5 @@
 """The SeKV zoom router through a real `vllm serve`: a calibrated router file
-(`benchmarks/results/router_smollm2.pt`, written by `vllm-sekv calibrate`)
+(`benchmarks/results/router_calibration/router_smollm2.pt`, written by `vllm-sekv calibrate`)
 loads at start-up, and the views' probes rank history blocks with it instead
 of the training-free Mean-K scores, which changes what a view selects; with
 `restore_codec` "router" its tiers also set the rank each selected block
@@ -20,7 +20,7 @@ from testbed.serving import LocalServer
 
 pytestmark = pytest.mark.engine
 
-ROUTER = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "router_smollm2.pt"
+ROUTER = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "router_calibration" / "router_smollm2.pt"
 VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "SEKV_HOST_BYTES": "1G"}
 VIEW_TOKENS = 2048

@@ -1,5 +1,5 @@
 """The plugin inside real vLLM on CUDA (run on the GPU machine by
-benchmarks/gpu/run_e2e.sh; skipped without CUDA).
+benchmarks/gpu/device/run_e2e.sh; skipped without CUDA).
 
 The same 3-step agent session as tests/engine/test_restore_offline.py, on
 SmolLM2 in bf16, vLLM's GPU prefix cache reset before every step. The CUDA

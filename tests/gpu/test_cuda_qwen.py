@@ -1,5 +1,5 @@
 """Qwen2.5-Coder-1.5B-Instruct, the evaluation's model, inside real vLLM on
-CUDA (run on the GPU machine by benchmarks/gpu/device.sh; skipped without
+CUDA (run on the GPU machine by benchmarks/gpu/device/device.sh; skipped without
 CUDA or without the model's parts).
 
 New to the plugin in this model: QKV bias, RoPE theta 1e6, head_dim 128,

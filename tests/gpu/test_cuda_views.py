@@ -1,5 +1,5 @@
 """Execution views on CUDA, through a real `vllm serve` (run on the GPU
-machine by benchmarks/gpu/run_e2e.sh; skipped without CUDA).
+machine by benchmarks/gpu/device/run_e2e.sh; skipped without CUDA).
 
 The 16K reader session of tests/engine/views_session.py, on SmolLM2 in bf16
 with piecewise CUDA graphs (the attention hook and the surprisal hook run

@@ -31,7 +31,7 @@ their outputs, and raise ``ValueError`` on bad shapes or names.
 The default (``DEFAULT_SUMMARY`` / ``DEFAULT_COMBINE`` = ``"anchor_pre"`` /
 ``"top8"``) and the in-window companion (``POSITION_SUMMARY`` /
 ``POSITION_COMBINE`` = ``"minmax_post"`` / ``"mean"``) were chosen by
-``benchmarks/index_study`` (results in ``benchmarks/results/index_study.md``).
+``benchmarks/index_study`` (results in ``benchmarks/results/index_study/report.md``).
 Typical use, per step::
 
     idx = summarize_blocks(DEFAULT_SUMMARY, k_pre, k_post, surprisal_weights(h))  # per layer
@@ -230,7 +230,7 @@ for _space in ("pre", "post"):
     ):
         SUMMARY_KINDS[_kd.name] = _kd
 
-# Chosen by benchmarks/index_study (see benchmarks/results/index_study.md): best
+# Chosen by benchmarks/index_study (see benchmarks/results/index_study/report.md): best
 # retrieval of a distant fact among the summaries measured on every trial, two
 # vectors per block (2x Mean-K), position-free (works beyond the model's window).
 # Needs per-token surprisal for the anchor. Within the window, pair it with a

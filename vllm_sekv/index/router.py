@@ -25,7 +25,7 @@ per-head recency bias) exists only with ``use_distance``; off by default: the
 score is then position-free and means the same at any distance, also beyond
 the model's window and the distances calibration saw (on SmolLM2 the recency
 term added 1.2-1.6 points of held-out coverage at 256-512 tokens; see
-``benchmarks/results/router_calibration.md``).
+``benchmarks/results/router_calibration/report.md``).
 
 **Gate and rank (per-head thresholds).** Head ``(l,h)`` votes for segment ``s``
 at tier ``j`` with ``sigmoid(log(S * p[l,h,s]) - tau[l,h] - delta_j)`` (its share

@@ -14,8 +14,8 @@ from typing import Any
 
 from vllm_sekv import compat, model_identity, request_params
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.connector import head_start
-from vllm_sekv.connector.metadata import SekvMetadata, SekvWorkerMeta, block_bytes_per_rank, host_slots, nvme_layout, \
+from vllm_sekv.protocol import head_start
+from vllm_sekv.protocol.metadata import SekvMetadata, SekvWorkerMeta, block_bytes_per_rank, host_slots, nvme_layout, \
     record_layout
 from vllm_sekv.scheduler_side.remote_lookup import RemoteTier
 from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator

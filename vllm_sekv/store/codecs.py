@@ -22,7 +22,7 @@ sees position: the caller de-rotates before `encode` and re-rotates after
   `center=True` (not reachable from `parse_codec`) also stores the per-head mean
   over tokens (+head_dim elements per head and tensor) and factors the residual.
   It is off by default. Measured on SmolLM2-135M K/V (bf16, 64-token segments,
-  `benchmarks/results/lowrank_study.md`): it lowers the mean relative Frobenius
+  `benchmarks/results/lowrank_study/report.md`): it lowers the mean relative Frobenius
   error by 3-4% (keys 0.250 -> 0.241, values 0.611 -> 0.592 at r = 8) for 1.6
   more points of bytes, but not the error that matters, the attention output's
   (first segment exact: 0.220 -> 0.222 at r = 8, 0.161 -> 0.168 at r = 16; all

