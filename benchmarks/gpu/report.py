@@ -1,15 +1,10 @@
-"""Render the GPU component benchmarks' JSON as their Markdown reports.
+"""Render the GPU restore pipeline benchmark's JSON as its Markdown report.
 
     python benchmarks/gpu/report.py restore   # benchmarks/results/gpu_restore_pipeline/report.{json -> md}
-    python benchmarks/gpu/report.py scoring   # benchmarks/results/gpu_scoring/report.json (+ queries*.json) -> report.md
 
-`restore`: `bench_restore.py`'s JSON; `scoring`: `bench_scoring.py`'s (the
-Mean-K scoring kernel and GPU memory), plus the same kernel at 64 and 512
-query tokens measured in one later invocation (`queries64.json`,
-`queries512.json`) where present. Each report starts with the JSON's header
-(machine, commit, command: `meta`); hand-written notes after
-`report_header.NOTES_MARK` in an existing report are kept. `--dir` reads and
-writes another folder.
+The report starts with the JSON's header (machine, commit, command: `meta`);
+hand-written notes after `report_header.NOTES_MARK` in an existing report are
+kept. `--dir` reads and writes another folder.
 """
 from __future__ import annotations
 
@@ -58,66 +53,8 @@ def restore_tables(r: dict) -> list[str]:
     return out
 
 
-def scoring_tables(s: dict) -> list[str]:
-    out = ["", f"### (b) Mean-K scoring, {s['query_tokens']} query tokens (config `{s['config']}`)", "",
-           f"Baseline in the same run: dense bf16 matmul {s['matmul_bf16_TFLOPs']:.0f} TFLOP/s.", "",
-           "| workspace | blocks | Triton, max | Triton, mean | pass 1 of 2 | TFLOP/s (fraction of matmul) | "
-           "PyTorch reference | speed-up | rel. err vs reference | top-64 agreement | top-2048 select |",
-           "|---" * 11 + "|"]
-    for e in s["sizes"]:
-        ref = f"{e['reference_ms']:.0f} ms" if e.get("reference_ms") else "-"
-        sp = f"{e['speedup_vs_reference']:.1f}x" if e.get("speedup_vs_reference") else "-"
-        out.append(f"| {e['workspace_tokens']:,} | {e['blocks']:,} | {e['triton_max_ms']:.1f} ms | "
-                   f"{e['triton_mean_ms']:.1f} ms | {e['triton_pass1_ms']:.1f} ms | {e['triton_TFLOPs']:.0f} "
-                   f"({e['fraction_of_matmul_rate']:.2f}) | {ref} | {sp} | {e.get('rel_err_max', float('nan')):.1e} | "
-                   f"{e.get('top64_overlap_max', float('nan')):.2f} | {e['select_top2048_ms']:.2f} ms |")
-    out += ["", "Index variants through the same kernel (combine=max):", "",
-            "| workspace | variant | time | top-64 agreement with bf16 | rel. difference vs bf16 |", "|---|---|---|---|---|"]
-    for e in s["sizes"]:
-        for k, v in e.get("variants", {}).items():
-            if "error" in v:
-                out.append(f"| {e['workspace_tokens']:,} | {k} | error: {v['error'][:80]} | | |")
-                continue
-            out.append(f"| {e['workspace_tokens']:,} | {k} | {v['ms']:.1f} ms | {v.get('top64_overlap_vs_bf16', '-')} | "
-                       f"{v.get('rel_diff_vs_bf16', float('nan')):.1e} |")
-    if "sweep_1M" in s:
-        out += ["", "Tile sweep at 1M tokens: " + ", ".join(
-            f"`{k}` {v['ms']:.1f} ms" if "ms" in v else f"`{k}` error" for k, v in s["sweep_1M"].items()) + "."]
-    fm = s["fixed_memory"]
-    out += ["", "### (c) GPU memory", "",
-            f"Fixed parts, allocated for real and kept alive through all sizes: GPU block pool of "
-            f"{fm['gpu_pool_tokens'] // 1024}K tokens {fm['gpu_pool_bytes'] / GiB:.2f} GiB; restore staging "
-            f"{fm['restore_staging_bytes'] / GiB:.2f} GiB; queries {fm['query_bytes'] / GiB:.3f} GiB.", "",
-            "| workspace | index bf16 | index fp8 | index d'=32 bf16 | scoring transient | total allocated | index / GPU |",
-            "|---|---|---|---|---|---|---|"]
-    for e in s["sizes"]:
-        m = e["memory"]
-        out.append(f"| {e['workspace_tokens']:,} | {m['index_bf16_bytes'] / GiB:.2f} GiB | {m['index_fp8_bytes'] / GiB:.2f} GiB"
-                   f" | {m['index_proj32_bf16_bytes'] / GiB:.2f} GiB | {m['scoring_transient_bytes'] / 2**20:.0f} MiB | "
-                   f"{m['total_allocated_bytes'] / GiB:.2f} GiB | {m['index_fraction_of_gpu']:.1%} |")
-    return out
-
-
-def queries_table(d: Path) -> list[str]:
-    """The kernel at 64 and 512 query tokens, one invocation (`queries64.json`, `queries512.json`)."""
-    runs = {q: json.loads((d / f"queries{q}.json").read_text()) for q in (64, 512) if (d / f"queries{q}.json").exists()}
-    if not runs:
-        return []
-    by = {q: {e["workspace_tokens"]: e for e in r["sizes"]} for q, r in runs.items()}
-    sizes = sorted({t for q in by for t in by[q]})
-    out = ["", "### (d) The same kernel at 512 and at 64 query tokens, one invocation", "",
-           "| workspace | " + " | ".join(f"{q} queries" for q in runs) + " | PyTorch reference, 64 queries |",
-           "|---" * (len(runs) + 2) + "|"]
-    for t in sizes:
-        cells = [f"{by[q][t]['triton_max_ms']:.2f} ms" if t in by[q] else "-" for q in runs]
-        ref = by.get(64, {}).get(t, {}).get("reference_ms")
-        out.append(f"| {t:,} | " + " | ".join(cells) + f" | {f'{ref:.1f} ms' if ref else '-'} |")
-    return out
-
-
-TITLES = {"restore": "GPU restore pipeline: pinned host -> paged cache with re-RoPE, against plain H2D",
-          "scoring": "GPU Mean-K scoring latency and GPU memory"}
-FOLDERS = {"restore": "gpu_restore_pipeline", "scoring": "gpu_scoring"}
+TITLES = {"restore": "GPU restore pipeline: pinned host -> paged cache with re-RoPE, against plain H2D"}
+FOLDERS = {"restore": "gpu_restore_pipeline"}
 
 
 def main() -> None:
@@ -128,10 +65,7 @@ def main() -> None:
     d = Path(args.dir) if args.dir else RH.results_dir(FOLDERS[args.what])
     data = json.loads((d / "report.json").read_text())
     lines = RH.header_from(data["meta"], TITLES[args.what])
-    if args.what == "restore":
-        lines += restore_tables(data)
-    else:
-        lines += scoring_tables(data) + queries_table(d)
+    lines += restore_tables(data)
     RH.write_report(d / "report.md", lines)
     print("\n".join(lines))
 

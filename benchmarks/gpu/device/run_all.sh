@@ -3,17 +3,14 @@
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu/device/run_all.sh [all|restore|quick]
 # $OUT/restore.json is benchmarks/results/gpu_restore_pipeline/report.json's run; `python
 # benchmarks/gpu/report.py restore --dir D` writes a folder's report.md. Reports name the commit from
-# $SEKV_COMMIT (no git history there). (bench_scoring.py, behind benchmarks/results/gpu_scoring/, was
-# removed with the dense Mean-K kernel in a647c06.)
+# $SEKV_COMMIT (no git history there).
 set -u
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/../../.."
-# Import the package from a copy laid out as installed (a top-level triton_kernels/, where the
-# tree has one, under vllm_sekv), so nothing depends on the machine's pip; -P keeps the repo
+# Import the package from a copy, so nothing depends on the machine's pip; -P keeps the repo
 # root off sys.path.
 rm -rf /tmp/sekv_pp && mkdir -p /tmp/sekv_pp && cp -r vllm_sekv /tmp/sekv_pp/ || exit 1
-[ ! -d triton_kernels ] || cp -r triton_kernels /tmp/sekv_pp/vllm_sekv/triton_kernels || exit 1
 export PYTHONPATH=/tmp/sekv_pp
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv >"$OUT/nvidia_smi.txt" 2>&1
 timeout 150 python3 -P -m pytest -q -m gpu tests/ops tests/store/test_transfer.py -p no:cacheprovider \

@@ -20,6 +20,4 @@ python3 - <<'PY'
 import torch, vllm
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
 PY
-# pytest, not `python -m pytest`: the checkout root must not be on sys.path
-# (its vllm_sekv/ops/ folder would shadow the package vLLM imports).
 exec pytest -q -rs -p no:cacheprovider tests/gpu "$@"
