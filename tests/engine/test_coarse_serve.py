@@ -5,7 +5,7 @@ One server (SmolLM2, bf16, CPU) with surprisal, coarse attention and
 2048-token views twice: with summaries (the server's setting) and with the
 request opting out (`kv_transfer_params {"coarse": false}`), whose view then
 gives the summaries' room to history blocks. That the merge is right is
-tests/connector/test_coarse.py's job (against exact attention); here it must
+tests/worker_side/test_coarse_attention.py's job (against exact attention); here it must
 run inside the engine, on every layer of every token the view computes.
 """
 import urllib.request

@@ -72,9 +72,9 @@ case $step in
     log "setup done; Qwen conversion: $(cat /tmp/convert.log 2>/dev/null | tail -1)" ;;
   tests)  # the CUDA unit tests, then Qwen's engine and serve tests (once its conversion is done)
     nvidia-smi > "$OUT/nvidia_smi.txt" 2>&1
-    run cuda_unit 200 pytest -q -rs -p no:cacheprovider tests/connector/test_device_reports.py \
-      tests/connector/test_device_restores.py tests/connector/test_full_graph_steps.py \
-      tests/connector/test_head_start.py tests/connector/test_rerank.py tests/store/test_capture.py \
+    run cuda_unit 200 pytest -q -rs -p no:cacheprovider tests/worker_side/test_device_reports.py \
+      tests/worker_side/test_device_restores.py tests/worker_side/test_full_graph_steps.py \
+      tests/protocol/test_head_start.py tests/worker_side/test_rerank.py tests/store/test_capture.py \
       tests/store/test_host_pool.py tests/store/test_layerwise.py tests/ops/test_gather.py \
       tests/ops/test_rotate.py tests/gpu/test_cuda_index.py
     for _ in $(seq 200); do [ -f "$QWEN/config.json" ] && break; sleep 1; done

@@ -1,7 +1,7 @@
 """The head-start registry: a plan, or a restore's match, reaches the worker
 of its own engine when that worker lives in the scheduler's process, and
 nothing else. What the worker does with them is
-tests/connector/test_device_restores.py's (on the CPU) and
+tests/worker_side/test_device_restores.py's (on the CPU) and
 tests/gpu/test_cuda_engine.py's (inside vLLM on CUDA, the only place where a
 worker registers)."""
 from types import SimpleNamespace
