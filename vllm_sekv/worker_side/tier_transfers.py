@@ -48,8 +48,10 @@ class TierTransfers:
         """The configured tiers' I/O over the host pool `pool` (`[slots, ...]`)
         of this worker's rank; a folder it cannot use fails start-up naming
         `nvme_dir`."""
-        layout = record_layout(config, vllm_config, compat.worker_rank())
         records = remote = None
+        if not (config.nvme_dir or config.remote_url):
+            return cls(records, remote, config.block_tokens)
+        layout = record_layout(config, vllm_config, compat.worker_rank())
         if config.nvme_dir:
             try:
                 records = RecordIO(nvme_layout(config, vllm_config), pool, layout, config.nvme_io_threads,
