@@ -21,12 +21,12 @@ Candidates are the segments inside ``[sink_tokens, history - recent_tokens)``
 with at least one summarized token; the sink, the recent window and every
 anchor are always kept (as in a view). Captured samples are cached under
 ``cache_dir`` (one file per text, keyed by model, sizes, alpha and seed), so
-re-runs skip the model. Training: Adam on ``workspace.router.distillation_loss``,
+re-runs skip the model. Training: Adam on ``index.router.distillation_loss``,
 one text per step. Reported per split: coverage = share of the true history
 attention mass (summed over layers, heads, new tokens) held by the kept tokens
 plus the segments a method picks, at token budgets and at k segments, for the
 trained router, the untrained router, the training-free index (surprisal-
-weighted mean pre-RoPE key scored like ``summaries.score``), recency, and the
+weighted mean pre-RoPE key scored like ``block_summaries.score``), recency, and the
 oracle (true mass). Supports Llama-like ``*ForCausalLM`` models (``model.model``
 with ``rotary_emb`` and ``layers[i].self_attn``; no sliding window).
 

@@ -188,7 +188,7 @@ class SekvConfig:
     # ("" = no router: the training-free index above selects). Checked here, at
     # start-up: the file must exist and be a valid router file; its model
     # fingerprint is checked against the served model by
-    # `workspace.router.load_router`. With a router (and `surprisal` on) the
+    # `index.router.load_router`. With a router (and `surprisal` on) the
     # views' probes rank blocks by the router's relevance of their
     # surprisal-weighted mean keys instead of `index_summary` / `index_combine`.
     router_path: str = ""

@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     # The servers run a copy of the package as it is now: edits during a long run never reach a restart.
     code = work / "code"
     shutil.copytree(Path(__file__).resolve().parents[2] / "vllm_sekv", code / "vllm_sekv")
-    shutil.copytree(Path(__file__).resolve().parents[2] / "triton_kernels", code / "vllm_sekv" / "triton_kernels")
     env = {**ENV, "PYTHONPATH": str(code)}
     run = FaultRun(model, work, args.seed, VLLM_ARGS, env, SEKV, log=log)
     t0 = time.time()

@@ -6,7 +6,7 @@ candidate blocks (all of them; a few not indexed) of a random bfloat16 index
 [blocks + spare, 32, S, 8, 128] on the GPU. For each kind (`sub4_pre`: S = 8,
 `mean_pre`: S = 1) it times (a) `BlockIndex.score`, the eager path (gather,
 float32 copy, batched matmul, logsumexp, masked softmax, sum) and (b)
-`sub_blocks.score_sub_blocks`, each over all layers between CUDA events
+`sub_block_scoring.score_sub_blocks`, each over all layers between CUDA events
 (median of `--repeats` after a warm-up), checks the kernel against the eager
 scores on every layer, and writes JSON and a Markdown table headed by the
 machine, commit and command (`--out`, default $OUT/bench_sub_scoring.json when

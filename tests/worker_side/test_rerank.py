@@ -1,4 +1,4 @@
-"""The token-level re-rank of a probe's best candidates (`connector.rerank`,
+"""The token-level re-rank of a probe's best candidates (`worker_side.rerank`,
 `ProbeScorer` with `rerank_blocks`): it equals the plain computation it
 stands for, does not care where a block lies in the history, tells apart
 blocks that differ in one token, and puts its blocks first in the report."""

@@ -1,4 +1,4 @@
-"""Which history tokens SeKV summaries stand for (`workspace.coarse`)."""
+"""Which history tokens SeKV summaries stand for (`workspace.coarse_plan`)."""
 import numpy as np
 import pytest
 

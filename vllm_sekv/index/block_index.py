@@ -2,7 +2,7 @@
 
 Entry `entries[slot]` is `[num_layers, S, kv_heads, head_dim]` for the block
 held in host slot `slot`, valid while `valid[slot]`; `S` and how the vectors
-are made depend on the summary kind (`workspace.summaries`, e.g. `sub4_pre`:
+are made depend on the summary kind (`index.block_summaries`, e.g. `sub4_pre`:
 the means of the block's eight 4-token pieces, pre-RoPE; `mean_pre`: KVMEM's
 Mean-K). The pool stores keys post-RoPE at their virtual positions, so each
 token's key is first rotated back by its position (a pure rotation by
@@ -77,7 +77,7 @@ class BlockIndex:
         """Index several blocks (distinct slots), `chunk` at a time: one
         rotation and one summary per chunk. `surprisal` [len(slots),
         block_tokens] (NaN: unknown) weights the tokens of kinds that use it
-        (`summaries.surprisal_weights`; uniform where unknown)."""
+        (`block_summaries.surprisal_weights`; uniform where unknown)."""
         for c in range(0, len(slots), chunk):
             idx = to_device(np.asarray(slots[c : c + chunk], dtype=np.int64), self.device)
             starts = to_device(np.asarray(start_tokens[c : c + chunk], dtype=np.int64), self.device)

@@ -1,7 +1,7 @@
 """Execution views, scheduler side: one job per request served from views.
 
 A request whose prompt is longer than its view budget becomes a `ViewJob`.
-The job runs the request as a series of passes (`workspace.views`): each time
+The job runs the request as a series of passes (`workspace.view_passes`): each time
 vLLM asks the connector for matched tokens (`next_pass`), the job chooses the
 pass, rewrites the request's tokens into it (with a cache salt of its own, so
 vLLM's prefix cache never mixes view KV with real prompt KV) and hands the

@@ -1,6 +1,6 @@
 """Probe scoring, worker side: a probe pass's queries score the block index.
 
-A probe pass (`workspace.views`) runs a request's newest tokens against a
+A probe pass (`workspace.view_passes`) runs a request's newest tokens against a
 short sink + recent view; while it runs, every layer's queries for those
 tokens score the candidate history blocks of the session's index
 (`BlockIndex.score`: per query head, the sum over queries of the softmax over
@@ -11,7 +11,7 @@ scheduler side in the step's report, which picks the view's blocks with them.
 
 With `rerank_blocks` set, the probe also keeps its queries layer by layer,
 and at the end the index's best candidates are scored again with their
-actual keys (`connector.rerank`); the report is then one row, those
+actual keys (`worker_side.rerank`); the report is then one row, those
 candidates first, in their re-ranked order.
 
 With a SeKV zoom router (config `router_path`) the router scores instead: the

@@ -12,7 +12,7 @@ stored rotated to their virtual positions, are rotated to positions
 lie; the distance is half the view, where a selected block sits on average.
 Per layer and query head, each query's softmax runs over all the candidates'
 tokens; a block's mass is the sum over its tokens and over the queries, and
-the heads combine as the index's do (`summaries.combine_heads`).
+the heads combine as the index's do (`block_summaries.combine_heads`).
 
 Runs in the worker process, on the forward thread, after the probe's last
 layer; candidates are read from the host tier in chunks (`read_keys`) so the

@@ -2,12 +2,12 @@
 history a view leaves out.
 
 Pure numpy/torch, no vLLM. A view holds some history tokens exactly (whole
-blocks and anchors, `workspace.views`). Every other history token enters the
+blocks and anchors, `workspace.view_passes`). Every other history token enters the
 summary of its surprisal segment (`workspace.segments`; a segment's anchor is
 never summarized, as in `segment_summaries`): one pseudo-key and value per
 segment, the surprisal-weighted means of the segment's left-out tokens, which
 the attention hook merges into the view's attention with its logit raised by
-`log n` (n = tokens it stands for; `triton_kernels/coarse`). A segment wholly
+`log n` (n = tokens it stands for; `ops/coarse`). A segment wholly
 in the view has no summary, so a view that holds the whole history is plain
 attention.
 

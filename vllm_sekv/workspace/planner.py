@@ -16,7 +16,7 @@ Per request it
     back into host slots and answers "not yet" (None) until the checked reads
     are confirmed; a failed read ends the match there (a miss).
 
-A request served from an execution view (`workspace.views`) runs as passes:
+A request served from an execution view (`workspace.view_passes`) runs as passes:
 `begin_view_pass` maps each view block to the workspace block it restores,
 re-RoPE'd by the difference of the two positions; the pass's own tokens are
 captured at their *virtual* positions (their place in the full history), and

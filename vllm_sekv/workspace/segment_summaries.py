@@ -15,7 +15,7 @@ full resolution in a view, so a summary that also held the anchor would count
 it twice in coarse attention (and the anchor, the segment's most surprising
 token, would dominate the weighted mean). A segment that is only its anchor
 then has ``n_s = 0`` and a zero summary: it stands for nothing, and the coarse
-merge (``triton_kernels/coarse``) ignores summaries with ``n_s <= 0``.
+merge (``ops/coarse``) ignores summaries with ``n_s <= 0``.
 
 In coarse attention a summary acts as ``n_s`` identical keys ``k_s`` with value
 ``v_s`` (logit ``q.k_s * scale + log n_s``); this is exact when the segment's

@@ -45,7 +45,7 @@ class RestoreOp:
 @dataclass
 class ScoreOp:
     """A probe: score candidate blocks with the queries of some of this
-    step's tokens, per layer and query head (`workspace.summaries`).
+    step's tokens, per layer and query head (`index.block_summaries`).
 
     The worker accumulates `sum over queries of softmax over candidates` per
     (layer, query head) across the probe's steps and reports the rows of its
@@ -76,7 +76,7 @@ class SurprisalOp:
 @dataclass
 class CoarseSummaries:
     """What the worker needs to build one view's SeKV summaries
-    (`workspace.coarse.CoarsePlan`, with host rows): summary `s` is the
+    (`workspace.coarse_plan.CoarsePlan`, with host rows): summary `s` is the
     surprisal-weighted mean of the pre-RoPE keys (and of the values) of the
     rows `summary_of == s`, its key rotated to view position
     `summary_positions[s]`."""

@@ -1,7 +1,7 @@
 """Triton SeKV coarse-attention merge: online softmax over segment summaries, then a
 log-sum-exp merge with the view's token attention.
 
-Same contract as `reference.coarse_merge` (formula and edge rows there). CUDA
+Same contract as `coarse_reference.coarse_merge` (formula and edge rows there). CUDA
 only (or Triton's CPU interpreter with TRITON_INTERPRET=1); enqueued on the
 current CUDA stream, returns without a host sync. Mutates nothing; allocates
 `out` [T, Hq, D] (input dtype), `lse` [T, Hq] (float32) and, when split, a
@@ -230,7 +230,7 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
                  v_sum: torch.Tensor, summary_tokens: torch.Tensor, scale: Optional[float] = None,
                  mask: Optional[torch.Tensor] = None,
                  config: Optional[CoarseConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reference.coarse_merge`; same arguments and result
+    """Triton version of `coarse_reference.coarse_merge`; same arguments and result
     (out in q's dtype, lse float32). fp16 / bf16 / fp32 inputs; tensors may be
     strided (a non-contiguous last dim is copied). Raises ValueError on bad
     shapes or dtypes and on non-CUDA tensors."""

@@ -1,4 +1,4 @@
-"""PyTorch reference for the SeKV coarse-attention merge (same signature as `kernel.py`).
+"""PyTorch reference for the SeKV coarse-attention merge (same signature as `coarse_kernel.py`).
 
 Token-level attention over the view gave, per query token t and query head h,
 `out_view[t, h]` and its natural-log log-sum-exp `lse_view[t, h]` over the

@@ -6,7 +6,7 @@ views (`[pages, page_size, kv_heads, head_dim]`, any strides shared by all
 layers, as `scatter_rerope` takes them) into `out [2, layers, n, kv_heads,
 head_dim]` (contiguous; K then V, the row layout of a host slot). Keys are
 rotated by `delta_positions [n]` (None: copied), bit-identical to
-`reference.rotate_keys` (float64-formed cos/sin tables, float32 rotation with
+`rotate_reference.rotate_keys` (float64-formed cos/sin tables, float32 rotation with
 fused multiply-adds off, one rounding); values are copied. Every slot must be
 valid (>= 0).
 

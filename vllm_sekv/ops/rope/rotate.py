@@ -1,4 +1,4 @@
-"""Triton `rotate_keys`: the reference rotation (`reference.rotate_keys`) in one launch.
+"""Triton `rotate_keys`: the reference rotation (`rotate_reference.rotate_keys`) in one launch.
 
 `rotate_keys(keys, delta_positions, rope, out=None, tables=None)` rotates
 `keys [tokens, heads, head_dim]`, or `[layers, tokens, heads, head_dim]`
@@ -57,7 +57,7 @@ def _rotate_kernel(
 def rotate_keys(keys: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec,
                 out: torch.Tensor | None = None,
                 tables: tuple[torch.Tensor, torch.Tensor] | None = None, block_t: int = 16) -> torch.Tensor:
-    """`reference.rotate_keys` on the GPU (see the module docstring); returns `out`."""
+    """`rotate_reference.rotate_keys` on the GPU (see the module docstring); returns `out`."""
     if keys.dim() not in (3, 4):
         raise ValueError(f"keys must be [(layers,) tokens, heads, head_dim], got {tuple(keys.shape)}")
     if delta_positions.shape != keys.shape[-3:-2]:

@@ -1,5 +1,5 @@
 """PyTorch references for moving K/V between packed rows and paged caches:
-scatter + re-RoPE (same signature as `kernel.scatter_rerope`), and its mirror,
+scatter + re-RoPE (same signature as `scatter.scatter_rerope`), and its mirror,
 `gather_rerope` (paged caches -> a capture buffer; `gather.gather_rerope`).
 
 Source: a packed staging buffer in the host pool's layout

@@ -50,8 +50,8 @@ def check_sub_block_args(queries: torch.Tensor, entries: torch.Tensor, layer: in
 def score_sub_blocks_reference(queries: torch.Tensor, entries: torch.Tensor, layer: int, slots: torch.Tensor,
                                valid: torch.Tensor) -> torch.Tensor:
     """Per-head relevance of candidate blocks scored by logsumexp over their S
-    vectors (`summaries._lse_logits` kinds: `sub4_pre`, `mean_pre`, ...); the
-    same contract as `sub_blocks.score_sub_blocks`, on any device, float32.
+    vectors (`block_summaries._lse_logits` kinds: `sub4_pre`, `mean_pre`, ...); the
+    same contract as `sub_block_scoring.score_sub_blocks`, on any device, float32.
 
     queries [M, Hq, D], entries [num_slots, L, S, H, D], candidate `slots` [B]
     int64, `valid` [num_slots] bool, all on one device ->

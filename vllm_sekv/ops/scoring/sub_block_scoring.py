@@ -1,7 +1,7 @@
 """Triton sub-block scoring: `BlockIndex.score` for logsumexp summary kinds.
 
 Contract (`score_sub_blocks(queries, entries, layer, slots, valid) -> Tensor`;
-PyTorch reference: `reference.score_sub_blocks_reference`, same arguments):
+PyTorch reference: `sub_block_reference.score_sub_blocks_reference`, same arguments):
 
 * queries: [M, Hq, D] float32, bfloat16 or float16, CUDA, already in the
   index's query space (not rotated here).
@@ -40,7 +40,7 @@ PyTorch reference: `reference.score_sub_blocks_reference`, same arguments):
 * Tiles shrink for small M or B (powers of two), so a few variants compile on
   first use (about a second each): warm up with the M and B ranges served.
 
-Design: two passes, as `kernel.py` (Mean-K). The logsumexp over a block's S
+Design: two passes. The logsumexp over a block's S
 vectors needs no pass of its own: exp(logit_b) = sum_s exp(dot_bs), so
 
     softmax_b(logit)[b] = sum_s exp2(dot_bs * log2e / sqrt(D) - LSE2),
@@ -262,7 +262,7 @@ def score_sub_blocks(
     valid: torch.Tensor,
     config: SubBlockConfig | None = None,
 ) -> torch.Tensor:
-    """Triton version of `reference.score_sub_blocks_reference`; see the module
+    """Triton version of `sub_block_reference.score_sub_blocks_reference`; see the module
     docstring for the contract. `config` picks tile shapes (tests, benchmarks).
     Returns [Hq, B] float32 without synchronizing with the host."""
     check_sub_block_args(queries, entries, layer, slots, valid)
