@@ -40,13 +40,13 @@ import os
 import shutil
 import stat
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from vllm_sekv.store.io_jobs import IoJobs
 from vllm_sekv.store.records import (
     HEADER_BYTES, RecordError, RecordLayout, checksum_kind, pack_header, record_bytes, unpack_header,
     unpack_surprisal, verify,
@@ -248,8 +248,7 @@ class RecordIO:
             and pool_data.is_contiguous()
         )
         self._local = threading.local()
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sekv-nvme")
-        self._futures: list[Future] = []
+        self._jobs = IoJobs(threads, "sekv-nvme")
         logger.info("sekv nvme: %s, %s I/O%s, %d threads, %s", layout.root,
                     "O_DIRECT" if self.o_direct else "buffered",
                     ", zero-copy" if self._zero_copy else "", threads,
@@ -260,11 +259,10 @@ class RecordIO:
     def submit_write(self, host_slot: int, block_hash: bytes, start_token: int, tenant: bytes,
                      surprisal: np.ndarray | None = None) -> None:
         """`surprisal` ([block_tokens] float32, optional) is stored in the header."""
-        self._futures.append(self._executor.submit(self._write, host_slot, block_hash, start_token, tenant,
-                                                   surprisal))
+        self._jobs.submit(lambda: [self._write(host_slot, block_hash, start_token, tenant, surprisal)])
 
     def submit_read(self, block_hash: bytes, host_slot: int, start_token: int, tenant: bytes) -> None:
-        self._futures.append(self._executor.submit(self._read, block_hash, host_slot, start_token, tenant))
+        self._jobs.submit(lambda: [self._read(block_hash, host_slot, start_token, tenant)])
 
     def delete_now(self, block_hash: bytes) -> None:
         """Remove a record's file (blocking; cheap). Runs before any later
@@ -275,17 +273,11 @@ class RecordIO:
             logger.warning("sekv nvme: could not delete %s: %s", block_hash.hex(), _reason(e))
 
     def drain(self, wait: bool = False) -> list[Completion]:
-        done, pending = [], []
-        for fut in self._futures:
-            if wait or fut.done():
-                done.append(fut.result())
-            else:
-                pending.append(fut)
-        self._futures = pending
-        return done
+        """The reads and writes finished so far (with `wait`: all of them)."""
+        return self._jobs.drain(wait)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._jobs.close()
 
     # ----------------------------------------------------------- the I/O
 

@@ -18,10 +18,9 @@ the forward pass.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
+from vllm_sekv.store.io_jobs import IoJobs
 from vllm_sekv.store.nvme import Completion
 from vllm_sekv.store.records import (
     HEADER_BYTES, RecordError, RecordLayout, checksum_kind, pack_header, unpack_header, verify,
@@ -38,8 +37,7 @@ class RemoteIO:
         self.batch_blocks = batch_blocks
         self.health = RemoteHealth()
         self.checksum_kind = checksum_kind()
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sekv-remote")
-        self._futures: list[Future] = []
+        self._jobs = IoJobs(threads, "sekv-remote")
 
     def _slot(self, host_slot: int) -> memoryview:
         return memoryview(self.pool[host_slot].view(torch.uint8).reshape(-1).numpy())
@@ -52,24 +50,17 @@ class RemoteIO:
     def submit_writes(self, ops: list[tuple[int, bytes, int, bytes]]) -> None:
         """(host slot, block hash, start token, tenant bytes) per record."""
         for i in range(0, len(ops), self.batch_blocks):
-            self._futures.append(self._executor.submit(self._write, ops[i : i + self.batch_blocks]))
+            self._jobs.submit(self._write, ops[i : i + self.batch_blocks])
 
     def submit_reads(self, ops: list[tuple[int, bytes, int, bytes]]) -> None:
         for i in range(0, len(ops), self.batch_blocks):
-            self._futures.append(self._executor.submit(self._read, ops[i : i + self.batch_blocks]))
+            self._jobs.submit(self._read, ops[i : i + self.batch_blocks])
 
     def drain(self, wait: bool = False) -> list[Completion]:
-        done, pending = [], []
-        for fut in self._futures:
-            if wait or fut.done():
-                done += fut.result()
-            else:
-                pending.append(fut)
-        self._futures = pending
-        return done
+        return self._jobs.drain(wait)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._jobs.close()
 
     # ----------------------------------------------------------- the I/O
 
