@@ -8,7 +8,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="$(cd "${SEKV_VENV:-.venv}" && pwd)"
-unset SEKV_VENV  # sekv refuses SEKV_* variables that are not its keys
 PY="$VENV/bin/python"
 EXAMPLE="$PWD/examples/agent_session.py"
 OUT="${DEMO_DIR:-$(mktemp -d)}"

@@ -1,6 +1,7 @@
 """The package installs what it needs: the kernels as part of `vllm_sekv.ops`,
-nothing at the top level beside `vllm_sekv` (a top-level `triton_kernels`
-would shadow OpenAI's package of that name, which vLLM imports)."""
+nothing at the top level beside `vllm_sekv`: not the checkout's `testbed`
+(helpers of the tests and benchmarks), and no `triton_kernels` (that would
+shadow OpenAI's package of that name, which vLLM imports)."""
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,10 @@ def test_kernels_are_importable_under_the_plugin_namespace():
 def test_no_top_level_triton_kernels_from_this_project():
     found = _find("triton_kernels")
     assert found == "None" or (CHECKOUT not in found and "vllm_sekv" not in found), found
+
+
+def test_the_test_helpers_are_not_installed():
+    assert _find("testbed") == "None"
 
 
 def test_plugin_entry_point_is_registered():
