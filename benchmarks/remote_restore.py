@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -33,19 +32,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import report_header as H  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
+from testbed.serving import metrics  # noqa: E402
 
 VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
 ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "SEKV_HASH_SECRET": "benchmark fleet secret"}
 TTFT = "vllm:time_to_first_token_seconds"
-
-
-def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for name, value in re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})? (\S+)$", text, re.M):
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def post(url: str, path: str, body: dict | None = None) -> dict | None:

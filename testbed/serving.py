@@ -1,4 +1,5 @@
-"""Start and stop a local OpenAI-compatible vLLM server, with or without sekv.
+"""Start and stop a local OpenAI-compatible vLLM server, with or without sekv,
+and read its `/metrics`.
 
 For the HTTP tests and the benchmarks. The server runs as a child
 process on 127.0.0.1, its output goes to a log file, and `stop()` ends its
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +21,17 @@ import urllib.request
 from pathlib import Path
 
 from vllm_sekv import CONNECTOR_NAME
+
+
+def metrics(url: str, prefix: str = "") -> dict[str, float]:
+    """Every sample of a server's `/metrics` whose name starts with `prefix`, summed over labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name, value in re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        if name.startswith(prefix):
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ imports the other for it.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # testbed
 import report_header as H  # noqa: E402
+from testbed import serving  # noqa: E402
 
 RESULTS = H.RESULTS
 BASELINES_OUT = H.results_dir("eval_baselines") / "report"  # run_eval.py --method full sliding
@@ -37,12 +37,7 @@ class SekvViewsUnsupported(RuntimeError):
 
 def metrics(url: str) -> dict[str, float]:
     """All `vllm:sekv_*` samples of /metrics, summed over labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for name, value in re.findall(r"^(vllm:sekv_[A-Za-z0-9_:]+)(?:\{[^}]*\})? (\S+)$", text, re.M):
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
+    return serving.metrics(url, "vllm:sekv_")
 
 
 def reset_prefix_cache(url: str) -> bool:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # testbed
 import prompts  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
+from testbed.serving import metrics  # noqa: E402
 
 SEKV_CONFIGS: dict[str, dict] = {
     "views": {},
@@ -70,16 +70,6 @@ def post(url: str, path: str, body: dict | None = None, timeout: float = 1800) -
     with urllib.request.urlopen(req, timeout=timeout) as r:
         raw = r.read()
     return json.loads(raw) if raw else None
-
-
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, summed over labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for name, value in re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})? (\S+)$", text, re.M):
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def chat(url: str, model: str, messages: list[dict], max_tokens: int, extra: dict) -> dict:
