@@ -48,6 +48,10 @@ WEIGHTS = {"flip_payload": 6, "flip_header": 6, "truncate": 4, "delete_record": 
 HEADER_IDENTITY_BYTES = 136  # a record header's identity, checksum and CRC (`store.records`)
 
 
+# Seconds the last kill waits for the write-behind of the requests before it.
+WRITE_BEHIND_S = 3.0
+
+
 @dataclass
 class Counters:
     faults_injected: int = 0
@@ -348,9 +352,14 @@ class FaultRun:
             if self.rng.random() < 0.2:
                 self._free_disk()
         self._free_disk()
-        self.inject("kill")
+        # The last kill lands after every session's next step has been written
+        # behind, so the restart always has blocks on disk to restore.
         for session, cursor in zip(steps, cursors):
             self.request(session[cursor % len(session)])
+        time.sleep(WRITE_BEHIND_S)
+        self.inject("kill")
+        for session, cursor in zip(steps, cursors):
+            self.request(session[(cursor + 1) % len(session)])
         return self.counters
 
     def _log_fault(self, kind: str, when: str) -> None:
