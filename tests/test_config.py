@@ -39,9 +39,12 @@ def test_non_config_env_is_ignored():
         ({}, {"SEKV_BLOCK_TOKENS": "7"}, "block_tokens"),
         ({"restore_codec": "lowrank(0)"}, {}, "restore_codec"),
         ({"restore_codec": "router"}, {}, "restore_codec"),  # no router_path
+        ({"recompute_blocks": -1}, {}, "recompute_blocks"),
+        ({"recompute_blocks": 4, "surprisal": "on", "coarse": "on"}, {}, "recompute_blocks"),
     ],
     ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
-         "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router"],
+         "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router",
+         "negative-recompute", "recompute-with-coarse"],
 )
 def test_bad_config_names_the_key(extra, env, key):
     with pytest.raises(ValueError, match=key):

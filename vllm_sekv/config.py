@@ -184,6 +184,14 @@ class SekvConfig:
     # takes them in that order, ahead of the rest. Tells apart blocks that a
     # summary cannot (look-alike facts that differ in one token).
     rerank_blocks: int = 0
+    # Of a view's selected history blocks, the first this many in the order
+    # the view chose them (best score first) are computed afresh inside the
+    # view, after its restored history and before the new tokens, instead of
+    # restored (0 = restore all). Restored KV was computed inside the whole
+    # long history and carries what the model read there, look-alike facts
+    # included; recomputed KV sees only the view. Costs a prefill of
+    # recompute_blocks x block_tokens tokens per step. Not with coarse "on".
+    recompute_blocks: int = 0
     # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
     # ("" = no router: the training-free index above selects). Checked here, at
     # start-up: the file must exist and be a valid router file; its model
@@ -246,7 +254,8 @@ class SekvConfig:
                     f"sekv config '{key}': expected a non-negative multiple of block_tokens "
                     f"({bt}), got {n}"
                 )
-        for key in ("view_tokens", "probe_query_tokens", "view_context_blocks", "rerank_blocks"):
+        for key in ("view_tokens", "probe_query_tokens", "view_context_blocks", "rerank_blocks",
+                    "recompute_blocks"):
             if getattr(self, key) < 0:
                 raise ValueError(f"sekv config '{key}': must not be negative, got {getattr(self, key)}")
         if self.view_tokens and self.view_tokens < self.sink_tokens + self.recent_tokens + 2 * bt:
@@ -303,6 +312,10 @@ class SekvConfig:
                                  f"got {getattr(self, key)}")
         if self.hash_secret and len(self.hash_secret.encode()) < 16:
             raise ValueError("sekv config 'hash_secret': at least 16 bytes, or \"\" for a generated one")
+        if self.recompute_blocks and self.coarse == "on":
+            raise ValueError("sekv config 'recompute_blocks': coarse summaries are placed by the view's "
+                             "virtual order, which recomputed blocks leave; use recompute_blocks 0 "
+                             "with coarse on")
         if self.rerank_blocks and self.router_path:
             raise ValueError("sekv config 'rerank_blocks': the zoom router ranks blocks on its own; "
                              "use rerank_blocks 0 with router_path")

@@ -52,6 +52,10 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank": {"rerank_blocks": 1024},
     "views-q16": {"probe_query_tokens": 16},
     "views-rerank-ctx1": {"rerank_blocks": 1024, "view_context_blocks": 1},
+    # the best 16 / 64 / every selected block recomputed in the view instead of restored
+    "views-rerank-rc16": {"rerank_blocks": 1024, "recompute_blocks": 16},
+    "views-rerank-rc64": {"rerank_blocks": 1024, "recompute_blocks": 64},
+    "views-rerank-rcall": {"rerank_blocks": 1024, "recompute_blocks": 100000},
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},

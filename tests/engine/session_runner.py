@@ -2,14 +2,15 @@
 
     python session_runner.py SPEC.json OUT.json
 
-SPEC: {"model": dir, "sekv": extra_config or null, "turns": [text, ...],
+SPEC: {"model": dir, "sekv": extra_config or null, "turns": [text, ...] or "prompt_ids": [id, ...],
        "max_tokens": n, "salt": str, "other_salt": str, "dtype": str,
        "reset": bool (default true), "async_scheduling": bool (default false),
        "hook_never_fires": bool (default false), "cudagraph_mode": str (default: eager)}
 Each step's prompt is the previous prompt + the previous output + the next turn,
 as token ids (no re-tokenization at the seams). vLLM's prefix cache is reset
 before every step unless "reset" is false (then vLLM's own cache serves the
-history: the case sekv replaces). After the session, the last prompt is sent again once with
+history: the case sekv replaces). "prompt_ids" instead of "turns": one step
+on exactly these token ids. After the session, the last prompt is sent again once with
 `other_salt` and once with `salt` (cache reset before each) to probe tenant
 isolation. OUT gets per-step token ids, num_cached_tokens and kv_transfer_params,
 and the scheduler the engine ran ("scheduler": class path, "async_scheduling").
@@ -122,7 +123,9 @@ def main(spec_path: str, out_path: str) -> None:
         }
 
     steps, ids = [], []
-    for turn in spec["turns"]:
+    if "prompt_ids" in spec:
+        steps.append(run(spec["prompt_ids"], spec["salt"]))
+    for turn in spec.get("turns", ()):
         ids = ids + tok.encode(turn, add_special_tokens=False)
         steps.append(run(ids, spec["salt"]))
         ids = ids + steps[-1]["output_token_ids"]

@@ -190,3 +190,56 @@ def test_context_blocks_bring_a_selected_blocks_neighbours_on_both_sides():
     scores = [0.0] * len(probe.candidates)
     scores[10 - 1], scores[20 - 1] = 3.0, 2.0
     assert final_pass(probe, scores, tight, context_blocks=1).history_blocks == (0, 9, 10, 11, 20, 23, 24)
+
+
+def test_recomputed_blocks_follow_the_restored_history_and_come_before_the_new_tokens():
+    prompt = list(range(1000, 1000 + 203))
+    probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)
+    scores = [0.0] * len(probe.candidates)
+    for block, score in ((5, 3.0), (17, 2.0), (2, 1.0), (9, 1.0)):
+        scores[block - 1] = score
+    whole = final_pass(probe, scores, BUDGET)
+    final = final_pass(probe, scores, BUDGET, recompute_blocks=2)  # 5 and 17, the two best
+    assert final.recomputed == (5, 17)
+    assert set(final.history_blocks) | {5, 17} == set(whole.history_blocks)
+    assert final.history_blocks[-2:] == (23, 24) and 5 not in final.history_blocks
+    assert final.history_tokens == whole.history_tokens - 2 * 8
+    assert final.num_tokens == whole.num_tokens and final.tail_view_start == whole.history_tokens
+    tokens = final.token_ids(prompt)
+    r = final.history_tokens
+    assert tokens[r : r + 16] == prompt[40:48] + prompt[136:144]  # blocks 5 and 17, after block 24
+    assert tokens[r + 16 :] == prompt[200:203]
+    assert final.tail_offset == 200 - (r + 16)
+    # Sink and recent are never recomputed; asking for more than was chosen recomputes all chosen.
+    every = final_pass(probe, scores, BUDGET, recompute_blocks=100)
+    assert every.history_blocks == (0, 23, 24) and len(every.recomputed) == 8
+
+
+def test_planner_restores_only_the_restored_part_and_never_saves_recomputed_history():
+    eng = Engine()
+    prompt = list(range(1, 1 + 25 * BT))
+    prefill_and_finish(eng, "a", prompt)
+    full = prompt + list(range(500, 503))
+    assert eng.planner.match_history("v", full, "", None) == 25
+    probe = first_pass(len(full), 25, BUDGET)
+    final = final_pass(probe, list(range(22)), BUDGET, recompute_blocks=3)  # latest win: 15..22
+    assert final.recomputed == (20, 21, 22)
+    assert final.history_blocks == (0, 15, 16, 17, 18, 19, 23, 24)
+    restored = final.history_tokens
+    assert eng.planner.begin_view_pass("v", final) == restored == 8 * BT
+    eng.tokens["v"] = full
+    eng.planner.set_paged_blocks("v", list(range(300, 307)), replace=True)
+    eng.planner.accept_restore("v", restored)
+    # A step that computes recomputed history alone saves nothing.
+    plan = eng.run({"v": (restored, 2 * BT)})
+    (restore,) = plan.restores
+    records = eng.planner.requests["v"].matched
+    assert len(restore.host_rows) == restored
+    assert restore.host_rows[-1] == records[24].host_slot * BT + BT - 1
+    assert not len(plan.capture_paged_slots)
+    # The next computes the last recomputed block and the 3 new tokens: only
+    # the new tokens are saved, at virtual 200..202 from view 88..90.
+    plan = eng.run({"v": (restored + 2 * BT, BT + 3)})
+    assert np.array_equal(plan.capture_rope_deltas, [200 - 88] * 3)
+    assert np.array_equal(plan.capture_paged_slots, 305 * PAGED + np.array([8, 9, 10]))
+    assert np.array_equal(plan.capture_host_rows % BT, [0, 1, 2])

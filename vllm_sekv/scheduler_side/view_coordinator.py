@@ -165,7 +165,7 @@ class ViewCoordinator:
                 job.ingested_to = view.tail_start + view.tail_tokens
             job.current = view
             job.num_passes[view.kind.value] = job.num_passes.get(view.kind.value, 0) + 1
-            job.prefilled_tokens += view.tail_tokens
+            job.prefilled_tokens += view.num_tokens - view.history_tokens - (0 if view.samples else 1)
             compat.rewrite_request(request, view.token_ids(job.prompt), self._pass_salt(job))
             if view.samples:
                 compat.clamp_max_tokens(request, self.window_tokens - view.num_tokens)
@@ -184,7 +184,7 @@ class ViewCoordinator:
         anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
         view = final_pass(job.probe, job.scores.tolist(), budget, cfg.view_context_blocks, anchors,
-                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room)
+                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room, cfg.recompute_blocks)
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)
@@ -292,7 +292,7 @@ class ViewCoordinator:
         view = job.current
         if view is None:
             return tokens, 0
-        computed = max(0, compat.finished_tokens(request) - view.history_tokens) + view.tail_start
+        computed = max(0, compat.finished_tokens(request) - view.tail_view_start) + view.tail_start
         return tokens, min(computed, len(tokens))
 
     def finish(self, request: Any) -> dict[str, Any] | None:
@@ -311,7 +311,9 @@ class ViewCoordinator:
         if view is not None and view.samples:
             out["view_tokens"] = view.num_tokens
             out["block_tokens"] = view.block_tokens
-            out["selected_blocks"] = list(view.history_blocks)
+            out["selected_blocks"] = list(view.history_blocks) + list(view.recomputed)
+            if view.recomputed:
+                out["recomputed_blocks"] = len(view.recomputed)
             if view.anchors:
                 out["anchor_tokens"] = len(view.anchors)
             if job.lowrank is not None:  # blocks per restore rank (lossy restore_codec)

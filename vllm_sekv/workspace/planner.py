@@ -338,7 +338,10 @@ class WorkspacePlanner:
                     step.scores.append(score)
                 continue  # a probe's tokens see a truncated history: never saved
             offset = st.view.tail_offset if st.view is not None else 0
-            rows = self._plan_capture(st, first + offset, count, step.step_id, tokens_of)
+            # A view's history (restored or recomputed) is in the workspace already: never saved again.
+            skip = max(0, st.view.tail_view_start - first) if st.view is not None else 0
+            rows = self._plan_capture(st, first + skip + offset, count - skip, step.step_id, tokens_of) \
+                if count > skip else None
             if rows is not None:
                 positions, host_rows = rows
                 src.append(st.paged_slots(self.paged_block_size, positions - offset))

@@ -6,6 +6,8 @@ token sequence is
 
     history (restored from the workspace, in virtual order): whole blocks
         `history_blocks` and single anchor tokens `anchors`
+    + recomputed history (FINAL only): whole blocks `recomputed`, in virtual
+        order, computed afresh inside the view instead of restored
     + tail (prompt tokens computed in this pass)
     + one sentinel token (only in passes that must not sample)
 
@@ -13,6 +15,7 @@ at positions 0..len-1. The history token at view position `i` is the
 workspace token at virtual position `history_positions()[i]` (its position in
 the full history), so its key is re-RoPE'd by `i - virtual`; the tail's tokens
 are saved at their virtual positions, `virtual = view + tail_offset`.
+Recomputed history is already in the workspace and is not saved again.
 
 Passes, in order:
 
@@ -26,7 +29,10 @@ Passes, in order:
   the new tokens; this pass samples, and its new and generated tokens are
   saved at their virtual positions. SeKV anchors (high-surprisal tokens) of
   blocks the view leaves out come along as single tokens, in virtual order,
-  within a token budget of their own.
+  within a token budget of their own. The best-scoring selected blocks can
+  be recomputed rather than restored (`recompute_blocks`): restored KV was
+  computed inside the whole long history and carries what the model read
+  there; recomputed KV sees only the view, and sits next to the new tokens.
 
 The sentinel makes a pass end one token short of its sequence, so vLLM treats
 it as an unfinished chunked prefill and never samples from it: nothing of an
@@ -82,10 +88,24 @@ class ViewPass:
     # FINAL: budget tokens kept free for device KV that is not a token of the
     # pass (SeKV coarse summaries, one token's KV each).
     reserved_tokens: int = 0
+    # FINAL: virtual blocks computed in the pass after the restored history,
+    # before the tail (virtual order; disjoint from history_blocks).
+    recomputed: tuple[int, ...] = ()
 
     @property
     def history_tokens(self) -> int:
+        """Tokens restored from the workspace (view positions 0 .. history_tokens - 1)."""
         return len(self.history_blocks) * self.block_tokens + len(self.anchors)
+
+    @property
+    def tail_view_start(self) -> int:
+        """View position of the tail's first token (after any recomputed history)."""
+        return self.history_tokens + len(self.recomputed) * self.block_tokens
+
+    def recomputed_positions(self) -> list[int]:
+        """Virtual position of each recomputed history token, in view order."""
+        bt = self.block_tokens
+        return [b * bt + i for b in self.recomputed for i in range(bt)]
 
     def history_positions(self) -> list[int]:
         """Virtual position of each history token, in view order (= virtual order)."""
@@ -103,15 +123,15 @@ class ViewPass:
     @property
     def num_tokens(self) -> int:
         """Length of the pass's token sequence, sentinel included."""
-        return self.history_tokens + self.tail_tokens + (0 if self.samples else 1)
+        return self.tail_view_start + self.tail_tokens + (0 if self.samples else 1)
 
     @property
     def tail_offset(self) -> int:
         """`virtual - view` for every tail (and generated) token."""
-        return self.tail_start - self.history_tokens
+        return self.tail_start - self.tail_view_start
 
     def token_ids(self, prompt: Sequence[int]) -> list[int]:
-        positions = self.history_positions()
+        positions = self.history_positions() + self.recomputed_positions()
         out = list(operator.itemgetter(*positions)(prompt)) if len(positions) > 1 else [prompt[p] for p in positions]
         end = self.tail_start + self.tail_tokens
         out.extend(prompt[self.tail_start : end])
@@ -168,6 +188,7 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
 def final_pass(
     probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
     anchors: Sequence[int] = (), anchor_tokens: int = 0, reserved_tokens: int = 0,
+    recompute_blocks: int = 0,
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
@@ -183,7 +204,12 @@ def final_pass(
 
     `reserved_tokens`: budget to keep free for KV that is not a token of the
     pass (SeKV summaries), in whole blocks, never the last block of room; the
-    view's `reserved_tokens` says how much was granted."""
+    view's `reserved_tokens` says how much was granted.
+
+    `recompute_blocks`: of the chosen blocks (never sink or recent), the first
+    this many in the order they were chosen (best score first, each with its
+    neighbours) are recomputed in the view rather than restored; they count
+    against the same room."""
     if probe.kind is not PassKind.PROBE or len(scores) != len(probe.candidates):
         raise ValueError("final_pass needs a PROBE pass and one score per candidate")
     bt = probe.block_tokens
@@ -197,16 +223,18 @@ def final_pass(
     candidates = set(probe.candidates)
     order = np.arange(len(scores))
     ranked = np.lexsort((-order, -np.asarray(scores, dtype=np.float64))).tolist()  # best first, ties: later
-    chosen: set[int] = set()
+    chosen: dict[int, None] = {}  # in the order chosen
     for i in ranked:
         block = probe.candidates[i]
         for b in (block, *range(block - context_blocks, block), *range(block + 1, block + context_blocks + 1)):
             if len(chosen) < room and b in candidates:
-                chosen.add(b)
+                chosen.setdefault(b)
         if len(chosen) >= room:
             break
-    blocks = sink + sorted(chosen) + recent
-    held = set(blocks)
+    recomputed = sorted(list(chosen)[:recompute_blocks])
+    blocks = sink + sorted(set(chosen) - set(recomputed)) + recent
+    held = set(blocks) | set(recomputed)
     kept = [p for p in anchors if p // bt < history and p // bt not in held][:anchor_room]
     return ViewPass(PassKind.FINAL, bt, tuple(blocks), probe.tail_start, probe.tail_tokens,
-                    anchors=tuple(sorted(kept)), reserved_tokens=min(reserved_tokens, reserved_blocks * bt))
+                    anchors=tuple(sorted(kept)), reserved_tokens=min(reserved_tokens, reserved_blocks * bt),
+                    recomputed=tuple(recomputed))
