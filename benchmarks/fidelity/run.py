@@ -187,6 +187,7 @@ class Servers:
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(f"{name}: {e}")
 
+        print(f"[servers] starting {len(self.servers)} servers", flush=True)
         for item in self.servers.items():  # one after the other: vLLM sizes its cache from the free memory
             one(*item)
         if errors:

@@ -42,6 +42,17 @@ run() {  # run NAME LIMIT_S CMD...: the command's log in $OUT/NAME.log, its tail
   return $rc
 }
 
+wait_for_fidelity_servers() {  # vLLM sizes its cache from the memory free at its start: never start beside one
+  [ -f /tmp/fid/run.log ] || return 0
+  local want; want=$(grep -o "starting [0-9]* servers" /tmp/fid/run.log | grep -o "[0-9]*")
+  for _ in $(seq 420); do
+    [ "$(grep -c '\[servers\].* up' /tmp/fid/run.log)" -ge "${want:-1}" ] && break
+    grep -q "did not start" /tmp/fid/run.log && break
+    sleep 1
+  done
+  log "fidelity servers: $(grep -c '\[servers\].* up' /tmp/fid/run.log) of ${want:-?} up"
+}
+
 case $step in
   stash)
     mkdir -p /tmp/carry /tmp/parts
@@ -79,9 +90,11 @@ case $step in
       tests/ops/test_rotate.py tests/gpu/test_cuda_index.py
     for _ in $(seq 200); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
     cp /tmp/convert.log "$OUT/convert.log" 2>/dev/null
+    wait_for_fidelity_servers
     run qwen_engine 330 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_qwen.py
     log "tests done" ;;
   engine)  # SmolLM2's engine tests: greedy equality with layerwise, batched and CUDA-graph restores
+    wait_for_fidelity_servers
     run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py
     log "engine tests done" ;;
   fidelity)  # start the evaluation in the background: it outlives the call, `wait` follows it
