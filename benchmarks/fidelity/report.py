@@ -8,7 +8,9 @@ held the answer, the median time to first token and bytes moved per step.
 `summary.json` is `{"model", "commit", "rows": [...]}` with one flat row per
 cell (`task`, `history_tokens`, `method`, `view_tokens`, `n`, `correct`,
 `accuracy`, `ci95`, `answer_in_view`, `ttft_s_median`, `bytes_moved_median`);
-"all" rows pool the families. Run headers (`<trials>.meta.json`, written by
+"all" rows pool the families. A trial is one (family, history tokens, seed,
+question, method): where several files hold it, the last file's line counts
+(a rerun of the same session is not a new sample). Run headers (`<trials>.meta.json`, written by
 run.py: machine, commit, command) make the Markdown's header, with this
 command last.
 """
@@ -144,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trials", nargs="+")
     p.add_argument("--out-dir", default=str(H.results_dir("fidelity")))
     args = p.parse_args(argv)
-    trials, metas = [], []
+    by_trial, metas = {}, []
     for path in map(Path, args.trials):
-        trials += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for line in path.read_text().splitlines():
+            if line.strip():
+                t = json.loads(line)
+                by_trial[(t["family"], t["history_tokens"], t["seed"], t["question"], t["method"])] = t
         meta_path = path.with_suffix(".meta.json")
         if meta_path.exists():
             metas += json.loads(meta_path.read_text())
+    trials = list(by_trial.values())
     rows = cells(trials)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
