@@ -69,6 +69,7 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 POLICIES = ("slru", "lru")
+RECOMPUTE_LAYOUTS = ("after_recent", "in_order")
 RESTORE_MODES = ("auto", "layerwise", "batched")
 # Block summaries the views' index can use (`vllm_sekv.index.block_summaries`);
 # those in SURPRISAL_SUMMARIES weight tokens by their surprisal and need
@@ -192,6 +193,11 @@ class SekvConfig:
     # included; recomputed KV sees only the view. Costs a prefill of
     # recompute_blocks x block_tokens tokens per step. Not with coarse "on".
     recompute_blocks: int = 0
+    # Where recomputed blocks go: "after_recent" (behind the restored
+    # history, recent window included: the view's order changes) or
+    # "in_order" (virtual order kept: every history block from the earliest
+    # recomputed one on is recomputed, recent included; costs more).
+    recompute_layout: str = "after_recent"
     # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
     # ("" = no router: the training-free index above selects). Checked here, at
     # start-up: the file must exist and be a valid router file; its model
@@ -226,7 +232,8 @@ class SekvConfig:
                 "remote_prefix")
     _FLOATS = ("anchor_alpha",)
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
-                "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF}
+                "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF,
+                "recompute_layout": RECOMPUTE_LAYOUTS}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens

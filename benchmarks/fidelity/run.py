@@ -56,6 +56,9 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank-rc16": {"rerank_blocks": 1024, "recompute_blocks": 16},
     "views-rerank-rc64": {"rerank_blocks": 1024, "recompute_blocks": 64},
     "views-rerank-rcall": {"rerank_blocks": 1024, "recompute_blocks": 100000},
+    # the same in virtual order: everything from the earliest of them on is recomputed
+    "views-rerank-rc16-ord": {"rerank_blocks": 1024, "recompute_blocks": 16, "recompute_layout": "in_order"},
+    "views-rerank-rcall-ord": {"rerank_blocks": 1024, "recompute_blocks": 100000, "recompute_layout": "in_order"},
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},

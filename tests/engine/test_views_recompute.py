@@ -1,11 +1,13 @@
 """Views that recompute their selected history (`recompute_blocks`), on the
 real vLLM engine and SmolLM2, float32.
 
-A 3-step session served from 384-token views with no recent window and every
-selected block recomputed: the final view is the sink (restored: the first
-tokens' KV does not depend on what follows them) + the selected blocks and the
-new tokens, computed in the view. Its greedy output must be plain vLLM's on
-exactly that token sequence, and the report must say what was recomputed.
+A 3-step session served from 384-token views with every selected block
+recomputed, in both layouts: "after_recent" with no recent window, and
+"in_order" with one (recomputed too). Either way the final view is the sink
+(restored: the first tokens' KV does not depend on what follows them) + the
+rest of the history and the new tokens, computed in the view in virtual
+order. Its greedy output must be plain vLLM's on exactly that token sequence,
+and the report must say what was recomputed.
 """
 import pytest
 
@@ -15,14 +17,16 @@ pytestmark = pytest.mark.engine
 
 BT = 32
 SEKV = {"host_bytes": "512M", "block_tokens": BT, "view_tokens": 384, "sink_tokens": 64,
-        "recent_tokens": 0, "recompute_blocks": 1000}
+        "recompute_blocks": 1000}
+LAYOUTS = {"after_recent": {"recent_tokens": 0}, "in_order": {"recent_tokens": 64}}
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory, model_dir, essay):
-    tmp = tmp_path_factory.mktemp("recompute")
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def session(request, tmp_path_factory, model_dir, essay):
+    tmp = tmp_path_factory.mktemp(f"recompute-{request.param}")
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
-    spec = {"model": model_dir, "sekv": SEKV, "turns": turns, "max_tokens": 16, "salt": "a",
+    sekv = {**SEKV, **LAYOUTS[request.param], "recompute_layout": request.param}
+    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 16, "salt": "a",
             "other_salt": "b", "dtype": "float32"}
     return tmp, run_runner("session_runner.py", spec, tmp, "sekv-recompute")
 

@@ -243,3 +243,19 @@ def test_planner_restores_only_the_restored_part_and_never_saves_recomputed_hist
     assert np.array_equal(plan.capture_rope_deltas, [200 - 88] * 3)
     assert np.array_equal(plan.capture_paged_slots, 305 * PAGED + np.array([8, 9, 10]))
     assert np.array_equal(plan.capture_host_rows % BT, [0, 1, 2])
+
+
+def test_in_order_recompute_keeps_virtual_order_from_the_earliest_recomputed_block_on():
+    prompt = list(range(1000, 1000 + 203))
+    probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)
+    scores = [0.0] * len(probe.candidates)
+    for block, score in ((5, 3.0), (17, 2.0), (2, 1.0), (9, 1.0)):
+        scores[block - 1] = score
+    whole = final_pass(probe, scores, BUDGET)
+    final = final_pass(probe, scores, BUDGET, recompute_blocks=2, recompute_in_order=True)
+    # 5 and 17 are the best two: everything from block 5 on is recomputed, recent (23, 24) too
+    assert final.history_blocks == (0, 2) and final.recomputed[0] == 5
+    assert final.recomputed[-2:] == (23, 24)
+    assert final.history_blocks + final.recomputed == whole.history_blocks
+    assert final.token_ids(prompt) == whole.token_ids(prompt)  # the same tokens, in the same order
+    assert final.num_tokens == whole.num_tokens and final.tail_offset == whole.tail_offset

@@ -184,7 +184,8 @@ class ViewCoordinator:
         anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
         view = final_pass(job.probe, job.scores.tolist(), budget, cfg.view_context_blocks, anchors,
-                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room, cfg.recompute_blocks)
+                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room, cfg.recompute_blocks,
+                          cfg.recompute_layout == "in_order")
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)

@@ -188,7 +188,7 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
 def final_pass(
     probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
     anchors: Sequence[int] = (), anchor_tokens: int = 0, reserved_tokens: int = 0,
-    recompute_blocks: int = 0,
+    recompute_blocks: int = 0, recompute_in_order: bool = False,
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
@@ -209,7 +209,10 @@ def final_pass(
     `recompute_blocks`: of the chosen blocks (never sink or recent), the first
     this many in the order they were chosen (best score first, each with its
     neighbours) are recomputed in the view rather than restored; they count
-    against the same room."""
+    against the same room. They follow the restored history (recent
+    included), unless `recompute_in_order`: then the view keeps virtual
+    order, restoring the sink and the chosen blocks before the earliest of
+    them and recomputing every history block from there on, recent too."""
     if probe.kind is not PassKind.PROBE or len(scores) != len(probe.candidates):
         raise ValueError("final_pass needs a PROBE pass and one score per candidate")
     bt = probe.block_tokens
@@ -232,6 +235,9 @@ def final_pass(
         if len(chosen) >= room:
             break
     recomputed = sorted(list(chosen)[:recompute_blocks])
+    if recompute_in_order and recomputed:
+        recomputed = sorted(b for b in chosen if b >= recomputed[0]) + recent
+        recent = []
     blocks = sink + sorted(set(chosen) - set(recomputed)) + recent
     held = set(blocks) | set(recomputed)
     kept = [p for p in anchors if p // bt < history and p // bt not in held][:anchor_room]
