@@ -259,3 +259,8 @@ def test_in_order_recompute_keeps_virtual_order_from_the_earliest_recomputed_blo
     assert final.history_blocks + final.recomputed == whole.history_blocks
     assert final.token_ids(prompt) == whole.token_ids(prompt)  # the same tokens, in the same order
     assert final.num_tokens == whole.num_tokens and final.tail_offset == whole.tail_offset
+    # Anchors are restored, so only those before the recomputed history keep the order.
+    anchored = final_pass(probe, scores, BUDGET, anchors=[100, 10, 30], anchor_tokens=3, recompute_blocks=2,
+                          recompute_in_order=True)
+    assert anchored.anchors == (10, 30) and anchored.history_positions() == sorted(anchored.history_positions())
+    assert max(anchored.history_positions()) < anchored.recomputed[0] * 8

@@ -212,7 +212,8 @@ def final_pass(
     against the same room. They follow the restored history (recent
     included), unless `recompute_in_order`: then the view keeps virtual
     order, restoring the sink and the chosen blocks before the earliest of
-    them and recomputing every history block from there on, recent too."""
+    them (and only anchors before it) and recomputing every history block
+    from there on, recent too."""
     if probe.kind is not PassKind.PROBE or len(scores) != len(probe.candidates):
         raise ValueError("final_pass needs a PROBE pass and one score per candidate")
     bt = probe.block_tokens
@@ -240,7 +241,9 @@ def final_pass(
         recent = []
     blocks = sink + sorted(set(chosen) - set(recomputed)) + recent
     held = set(blocks) | set(recomputed)
-    kept = [p for p in anchors if p // bt < history and p // bt not in held][:anchor_room]
+    # In virtual order, anchors (restored) must come before the recomputed history.
+    end = recomputed[0] * bt if recompute_in_order and recomputed else history * bt
+    kept = [p for p in anchors if p < end and p // bt not in held][:anchor_room]
     return ViewPass(PassKind.FINAL, bt, tuple(blocks), probe.tail_start, probe.tail_tokens,
                     anchors=tuple(sorted(kept)), reserved_tokens=min(reserved_tokens, reserved_blocks * bt),
                     recomputed=tuple(recomputed))
