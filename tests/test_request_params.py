@@ -18,6 +18,8 @@ def test_valid_parameters_from_each_place():
     assert parse({}, {"session_id": "x", "view_tokens": 1024, "other_plugin": 1}) == RequestParams("x", 1024)
     # vLLM's own session_id field comes first
     assert parse({"session_id": "params"}, {}, "field").session_id == "field"
+    assert parse({"recompute_blocks": 64, "recompute_layout": "in_order"}) == \
+        RequestParams(recompute_blocks=64, recompute_layout="in_order")
 
 
 @pytest.mark.parametrize("params, extra, session_id, field", [
@@ -27,6 +29,9 @@ def test_valid_parameters_from_each_place():
     ({"view_tokens": 100000}, None, None, "kv_transfer_params.view_tokens"),  # beyond the server's budget
     ({}, {"view_tokens": -3}, None, "vllm_xargs.view_tokens"),
     ({"coarse": "yes"}, None, None, "kv_transfer_params.coarse"),
+    ({"recompute_blocks": -1}, None, None, "kv_transfer_params.recompute_blocks"),
+    ({"recompute_blocks": "all"}, None, None, "kv_transfer_params.recompute_blocks"),
+    ({}, {"recompute_layout": "sorted"}, None, "vllm_xargs.recompute_layout"),
     ({"session_id": ""}, None, None, "kv_transfer_params.session_id"),
     ({"session_id": 7}, None, None, "kv_transfer_params.session_id"),
     ({}, None, "s" * (MAX_SESSION_ID_CHARS + 1), "session_id"),
@@ -45,3 +50,11 @@ def test_the_servers_limits_come_from_its_config_and_the_models_window():
     assert view_limits(SekvConfig(), 8192).most == 8192  # view_tokens 0: the window
     with pytest.raises(RequestParamError, match="384 to 4096"):
         check(config, 32768, {"view_tokens": 8192}, None, None)
+
+
+def test_recompute_beside_a_servers_coarse_summaries_is_refused_unless_the_request_opts_out():
+    config = SekvConfig(surprisal="on", coarse="on")
+    with pytest.raises(RequestParamError, match="^recompute_blocks: .*coarse: false"):
+        check(config, 8192, {"recompute_blocks": 8}, None, None)
+    check(config, 8192, {"recompute_blocks": 8, "coarse": False}, None, None)
+    check(SekvConfig(), 8192, {"recompute_blocks": 8}, None, None)

@@ -1,11 +1,13 @@
 """A request's own sekv settings, as clients send them, checked.
 
-Clients name a session and may ask for their own view budget or turn SeKV
-coarse attention off for one request, in `kv_transfer_params` (or
-`vllm_xargs`, vLLM's `extra_args`), and on vLLM 0.32 in its own `session_id`
-field:
+Clients name a session and may ask for their own view budget, turn SeKV
+coarse attention off, or choose how many selected blocks a view recomputes
+(`recompute_blocks`, `recompute_layout`: the config keys of the same names)
+for one request, in `kv_transfer_params` (or `vllm_xargs`, vLLM's
+`extra_args`), and on vLLM 0.32 in its own `session_id` field:
 
     {"kv_transfer_params": {"session_id": "agent-7", "view_tokens": 4096, "coarse": false}}
+    {"kv_transfer_params": {"session_id": "agent-7", "recompute_blocks": 64}}
 
 `parse` turns them into `RequestParams` or raises `RequestParamError` (a
 ValueError) that names the field and what it accepts; vLLM's request
@@ -20,9 +22,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from vllm_sekv.config import SekvConfig
+from vllm_sekv.config import RECOMPUTE_LAYOUTS, SekvConfig
 
-KEYS = ("session_id", "view_tokens", "coarse")
+KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout")
 MAX_SESSION_ID_CHARS = 256
 
 logger = logging.getLogger("vllm_sekv")
@@ -50,7 +52,10 @@ def view_limits(config: SekvConfig, window_tokens: int) -> ViewLimits:
 
 def check(config: SekvConfig, window_tokens: int, kv_transfer_params: Any, extra_args: Any, session_id: Any) -> None:
     """Raise RequestParamError if a request's sekv parameters are invalid for this server."""
-    parse(kv_transfer_params, extra_args, session_id, view_limits(config, window_tokens))
+    params = parse(kv_transfer_params, extra_args, session_id, view_limits(config, window_tokens))
+    if params.recompute_blocks and config.coarse == "on" and params.coarse is not False:
+        raise RequestParamError("recompute_blocks: this server adds coarse summaries to its views, which "
+                                "recomputed blocks cannot share; send coarse: false with it")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class RequestParams:
     session_id: str | None = None
     view_tokens: int | None = None  # the request's own view budget
     coarse: bool | None = None  # None: the server's setting
+    recompute_blocks: int | None = None  # None: the server's setting
+    recompute_layout: str | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -99,7 +106,13 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     coarse_field, coarse = given("coarse")
     if coarse is not None and not isinstance(coarse, bool):
         raise RequestParamError(f"{coarse_field}: expected true or false, got {coarse!r:.80}")
-    return RequestParams(sid, view, coarse)
+    recompute_field, recompute = given("recompute_blocks")
+    if recompute is not None and (isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0):
+        raise RequestParamError(f"{recompute_field}: expected a non-negative integer, got {recompute!r:.80}")
+    layout_field, layout = given("recompute_layout")
+    if layout is not None and layout not in RECOMPUTE_LAYOUTS:
+        raise RequestParamError(f"{layout_field}: expected one of {', '.join(RECOMPUTE_LAYOUTS)}, got {layout!r:.80}")
+    return RequestParams(sid, view, coarse, recompute, layout)
 
 
 def of_request(request: Any) -> "RequestParams":

@@ -10,11 +10,14 @@ text method (`full`, `sliding`, `rag`, `oracle`; `prompts.py`) runs on a
 plain vLLM server of its own whose context is the model's window; every other
 name is a sekv configuration (`SEKV_CONFIGS`), one server each, serving every
 budget of that name (each request asks for its own through
-`kv_transfer_params`, with a cache salt per budget so budgets never share a
-workspace). Servers start one by one (vLLM sizes its cache from the memory
-free at its start) and then run side by side on one device, each serving one
-request at a time: different servers' requests overlap, so times to first
-token are measured under that load.
+`kv_transfer_params`), or a method that such a server serves with request
+parameters of its own (`REQUEST_METHODS`, e.g. how many selected blocks a
+view recomputes). Each method and budget has a cache salt of its own, so they
+never share a workspace (a server serving several needs host memory for all
+of their sessions at once). Servers start one by one (vLLM sizes its cache
+from the memory free at its start) and then run side by side on one device,
+each serving one request at a time: different servers' requests overlap, so
+times to first token are measured under that load.
 
 Per session and sekv budget, the history is first sent alone (one token,
 untimed: the agent's earlier steps, which put the history in the
@@ -52,17 +55,21 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank": {"rerank_blocks": 1024},
     "views-q16": {"probe_query_tokens": 16},
     "views-rerank-ctx1": {"rerank_blocks": 1024, "view_context_blocks": 1},
-    # the best 16 / 64 / every selected block recomputed in the view instead of restored
-    "views-rerank-rc16": {"rerank_blocks": 1024, "recompute_blocks": 16},
-    "views-rerank-rc64": {"rerank_blocks": 1024, "recompute_blocks": 64},
-    "views-rerank-rcall": {"rerank_blocks": 1024, "recompute_blocks": 100000},
-    # the same in virtual order: everything from the earliest of them on is recomputed
-    "views-rerank-rc16-ord": {"rerank_blocks": 1024, "recompute_blocks": 16, "recompute_layout": "in_order"},
-    "views-rerank-rcall-ord": {"rerank_blocks": 1024, "recompute_blocks": 100000, "recompute_layout": "in_order"},
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},
     "sekv-lr16": {"surprisal": "on", "coarse": "on", "restore_codec": "lowrank(16)"},
+}
+# Methods that a configuration above serves with request parameters of their
+# own (`kv_transfer_params`): (server configuration, parameters).
+REQUEST_METHODS: dict[str, tuple[str, dict]] = {
+    # the best 16 / 64 / every selected block recomputed in the view instead of restored
+    "views-rerank-rc16": ("views-rerank", {"recompute_blocks": 16}),
+    "views-rerank-rc64": ("views-rerank", {"recompute_blocks": 64}),
+    "views-rerank-rcall": ("views-rerank", {"recompute_blocks": 100000}),
+    # the same in virtual order: everything from the earliest of them on is recomputed
+    "views-rerank-rc16-ord": ("views-rerank", {"recompute_blocks": 16, "recompute_layout": "in_order"}),
+    "views-rerank-rcall-ord": ("views-rerank", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
 }
 TTFT = "vllm:time_to_first_token_seconds"
 LINE_TOKENS = 64  # evidence this short must be in a view whole
@@ -105,9 +112,9 @@ def chat(url: str, model: str, messages: list[dict], max_tokens: int, extra: dic
 
 def parse_method(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
-    if name not in prompts.TEXT_METHODS and name not in SEKV_CONFIGS:
+    if name not in prompts.TEXT_METHODS and name not in SEKV_CONFIGS and name not in REQUEST_METHODS:
         raise SystemExit(f"unknown method {name!r}; text methods {list(prompts.TEXT_METHODS)}, "
-                         f"sekv configurations {list(SEKV_CONFIGS)}")
+                         f"sekv configurations {list(SEKV_CONFIGS)} and {list(REQUEST_METHODS)}")
     if name != "full" and not budget:
         raise SystemExit(f"method {spec!r} needs a budget, e.g. {name}:8192")
     return name, int(budget) if budget else None
@@ -204,23 +211,35 @@ class Servers:
 
 # ---------------------------------------------------------------- trials
 
-def run_text(server, args, tokenizer, session: S.Session, name: str, budget: int | None, emit) -> None:
+def run_text(server, lock, args, tokenizer, session: S.Session, name: str, budget: int | None, emit) -> None:
     for q in range(len(session.questions)):
         prompt = prompts.TEXT_METHODS[name](session, q, tokenizer, budget)
-        post(server.url, "/reset_prefix_cache")
-        r = chat(server.url, server_model(args), prompt.messages, args.max_tokens, {})
+        with lock:
+            post(server.url, "/reset_prefix_cache")
+            r = chat(server.url, server_model(args), prompt.messages, args.max_tokens, {})
         if r["ttft_s"] is not None:  # choosing what to send is part of the step
             r["ttft_s"] += prompt.retrieval_s
         emit(session, q, name, budget, r, prompts.evidence_in(session, q, prompt.messages), None)
 
 
-def run_views(server, args, tokenizer, session: S.Session, name: str, budget: int, emit) -> None:
+def server_of(name: str) -> str:
+    """The server that serves method `name`."""
+    if name in prompts.TEXT_METHODS:
+        return f"plain-{name}"
+    return REQUEST_METHODS[name][0] if name in REQUEST_METHODS else name
+
+
+def run_views(server, lock, args, tokenizer, session: S.Session, name: str, budget: int, emit) -> None:
+    # A workspace per method and budget (its own salt), even where methods share a server.
+    own = REQUEST_METHODS[name][1] if name in REQUEST_METHODS else {}
     extra = {"cache_salt": f"{name}-{budget}",
-             "kv_transfer_params": {"view_tokens": budget, "session_id": f"{session.id}-{budget}"}}
-    chat(server.url, server_model(args), session.history, 1, extra)  # the earlier steps: history into the workspace
+             "kv_transfer_params": {"view_tokens": budget, "session_id": f"{session.id}-{budget}", **own}}
+    with lock:  # the earlier steps: history into the workspace
+        chat(server.url, server_model(args), session.history, 1, extra)
     for q in range(len(session.questions)):
-        post(server.url, "/reset_prefix_cache")
-        r = chat(server.url, server_model(args), session.step_messages(q), args.max_tokens, extra)
+        with lock:
+            post(server.url, "/reset_prefix_cache")
+            r = chat(server.url, server_model(args), session.step_messages(q), args.max_tokens, extra)
         view = (r["sekv"] or {}).get("view")
         if view is None:  # served whole: everything was in view
             held = True
@@ -344,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default="/tmp/sekv_fidelity_logs")
     p.add_argument("--start-timeout-s", type=float, default=900)
     p.add_argument("--sequential", action="store_true",
-                   help="one server's trials at a time (times to first token without the others' load)")
+                   help="one method's trials at a time (times to first token without the others' load)")
     args = p.parse_args(argv)
     args.families = args.families.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -389,26 +408,27 @@ def main(argv: list[str] | None = None) -> int:
               f"in_view={held} ttft={r['ttft_s'] if r['ttft_s'] is None else round(r['ttft_s'], 3)} "
               f"{r['text'][:40]!r}", flush=True)
 
-    # Each server's work, in order: its (family, length, seed) sessions, every method it serves.
+    # The work of each method a server serves, in order: its (family, length, seed) sessions.
     need = [(f, L, s) for L in args.lengths for f in args.families for s in seeds]
-    plan: dict[str, list] = {}
+    plan: dict[tuple[str, str], list] = {}
     for name, budget in methods:
-        server = f"plain-{name}" if name in prompts.TEXT_METHODS else name
+        server = server_of(name)
         for f, L, s in need:
             if name == "full" and L + 1024 + args.max_tokens > window:
                 continue  # the whole history does not fit the window
             nq = S.QUESTIONS[f]
             if all((f, L, s, method_label(name, budget), q) in done for q in range(nq)):
                 continue
-            plan.setdefault(server, []).append((f, L, s, name, budget))
+            plan.setdefault((server, name), []).append((f, L, s, name, budget))
     if not plan:
         print("nothing to run")
         return 0
+    serving = {server for server, _ in plan}
     configs: dict[str, list[int]] = {}
     for name, budget in methods:
-        if name in SEKV_CONFIGS and name in plan:
-            configs.setdefault(name, []).append(budget)
-    servers = Servers(args, configs, [n for n in prompts.TEXT_METHODS if f"plain-{n}" in plan], window)
+        if server_of(name) in SEKV_CONFIGS and server_of(name) in serving:
+            configs.setdefault(server_of(name), []).append(budget)
+    servers = Servers(args, configs, [n for n in prompts.TEXT_METHODS if f"plain-{n}" in serving], window)
     cache: dict[tuple, S.Session] = {}
     cache_lock = threading.Lock()
 
@@ -424,15 +444,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         servers.start(args.start_timeout_s)
 
-        def work(server_name: str) -> None:
-            server = servers.servers[server_name]
-            for f, L, s, name, budget in plan[server_name]:
+        # One request at a time per server: a step's time to first token is its
+        # server's counter's change, and only its own step may change it.
+        locks = {name: threading.Lock() for name in servers.servers}
+
+        def work(server_name: str, method: str) -> None:
+            server, lock = servers.servers[server_name], locks[server_name]
+            for f, L, s, name, budget in plan[(server_name, method)]:
                 session = session_of(f, L, s)
                 try:
                     if name in prompts.TEXT_METHODS:
-                        run_text(server, args, tokenizer, session, name, budget, emit)
+                        run_text(server, lock, args, tokenizer, session, name, budget, emit)
                     else:
-                        run_views(server, args, tokenizer, session, name, budget, emit)
+                        run_views(server, lock, args, tokenizer, session, name, budget, emit)
                 except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
                     failures.append(f"{server_name} {session.id} {method_label(name, budget)}: {e!r}")
                     traceback.print_exc()
@@ -440,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                         failures.append(f"{server_name} died:\n{server.log_tail()}")
                         return
 
-        threads = [threading.Thread(target=work, args=(name,)) for name in plan]
+        threads = [threading.Thread(target=work, args=key) for key in plan]
         for t in threads:
             t.start()
             if args.sequential:

@@ -56,10 +56,12 @@ BAD_REQUESTS = {  # name -> extra body fields of a chat request
     "coarse": {"kv_transfer_params": {"coarse": "yes"}},
     "unknown_key": {"kv_transfer_params": {"view_token": 2048}},
     "xargs": {"vllm_xargs": {"view_tokens": -1}},
+    "recompute": {"kv_transfer_params": {"recompute_blocks": -2}},
 }
 BAD_REQUESTS_FIELD = {"max_tokens": "max_tokens", "view_tokens": "kv_transfer_params.view_tokens",
                       "tiny_view": "kv_transfer_params.view_tokens", "coarse": "kv_transfer_params.coarse",
-                      "unknown_key": "'view_token'", "xargs": "vllm_xargs.view_tokens"}
+                      "unknown_key": "'view_token'", "xargs": "vllm_xargs.view_tokens",
+                      "recompute": "kv_transfer_params.recompute_blocks"}
 
 
 def refusal(url, model, extra):

@@ -2,8 +2,9 @@
 real vLLM engine and SmolLM2, float32.
 
 A 3-step session served from 384-token views with every selected block
-recomputed, in both layouts: "after_recent" with no recent window, and
-"in_order" with one (recomputed too). Either way the final view is the sink
+recomputed, in both layouts: "after_recent" with no recent window, set in the
+server's config, and "in_order" with one (recomputed too), asked for by each
+request (`vllm_xargs`). Either way the final view is the sink
 (restored: the first tokens' KV does not depend on what follows them) + the
 rest of the history and the new tokens, computed in the view in virtual
 order. Its greedy output must be plain vLLM's on exactly that token sequence,
@@ -16,18 +17,20 @@ from engine_process import run_runner
 pytestmark = pytest.mark.engine
 
 BT = 32
-SEKV = {"host_bytes": "512M", "block_tokens": BT, "view_tokens": 384, "sink_tokens": 64,
-        "recompute_blocks": 1000}
-LAYOUTS = {"after_recent": {"recent_tokens": 0}, "in_order": {"recent_tokens": 64}}
+SEKV = {"host_bytes": "512M", "block_tokens": BT, "view_tokens": 384, "sink_tokens": 64}
+LAYOUTS = {  # layout -> (server config, request's own parameters)
+    "after_recent": ({"recent_tokens": 0, "recompute_blocks": 1000}, None),
+    "in_order": ({"recent_tokens": 64}, {"recompute_blocks": 1000, "recompute_layout": "in_order"}),
+}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def session(request, tmp_path_factory, model_dir, essay):
     tmp = tmp_path_factory.mktemp(f"recompute-{request.param}")
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
-    sekv = {**SEKV, **LAYOUTS[request.param], "recompute_layout": request.param}
-    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 16, "salt": "a",
-            "other_salt": "b", "dtype": "float32"}
+    config, extra_args = LAYOUTS[request.param]
+    spec = {"model": model_dir, "sekv": {**SEKV, **config}, "turns": turns, "max_tokens": 16, "salt": "a",
+            "other_salt": "b", "dtype": "float32", "extra_args": extra_args}
     return tmp, run_runner("session_runner.py", spec, tmp, "sekv-recompute")
 
 

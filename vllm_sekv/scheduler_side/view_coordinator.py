@@ -58,6 +58,10 @@ class ViewJob:
     ingested_to: int = 0  # virtual end of the last ingest pass
     truncated: bool = False  # the workspace could not hold the history (see `next_pass`)
     coarse: bool = False  # SeKV summaries for the left-out history (server setting, request may opt out)
+    # Selected blocks the final view recomputes, and whether in virtual order
+    # (server settings, a request may choose its own; never with coarse).
+    recompute_blocks: int = 0
+    recompute_in_order: bool = False
     # The final view's SeKV parts (`_final_pass`): its summaries and its
     # lossily restored blocks (virtual block -> rank, pieces); None for other passes.
     coarse_plan: CoarsePlan | None = None
@@ -125,6 +129,13 @@ class ViewCoordinator:
         job = ViewJob(request.request_id, prompt, self.tenant_of(compat.request_cache_salt(request)),
                       params.session_id, budget)
         job.coarse = self.config.coarse == "on" and params.coarse is not False
+        job.recompute_blocks = self.config.recompute_blocks if params.recompute_blocks is None \
+            else params.recompute_blocks
+        job.recompute_in_order = (params.recompute_layout or self.config.recompute_layout) == "in_order"
+        if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
+            logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
+                           "restores them", job.req_id)
+            job.recompute_blocks = 0
         self.jobs[job.req_id] = job
         # Until its first pass is chosen the request must not hit vLLM's
         # prefix cache under its real tokens.
@@ -184,8 +195,8 @@ class ViewCoordinator:
         anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
         view = final_pass(job.probe, job.scores.tolist(), budget, cfg.view_context_blocks, anchors,
-                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room, cfg.recompute_blocks,
-                          cfg.recompute_layout == "in_order")
+                          budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
+                          job.recompute_in_order)
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)
