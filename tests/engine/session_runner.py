@@ -11,7 +11,8 @@ as token ids (no re-tokenization at the seams). vLLM's prefix cache is reset
 before every step unless "reset" is false (then vLLM's own cache serves the
 history: the case sekv replaces). "prompt_ids" instead of "turns": one step
 on exactly these token ids. "extra_args": every request's
-`SamplingParams.extra_args` (a client's `vllm_xargs`). After the session, the last prompt is sent again once with
+`SamplingParams.extra_args` (a client's `vllm_xargs`). "kv_cache_dtype": vLLM's
+`--kv-cache-dtype` (e.g. "fp8"). After the session, the last prompt is sent again once with
 `other_salt` and once with `salt` (cache reset before each) to probe tenant
 isolation. OUT gets per-step token ids, num_cached_tokens and kv_transfer_params,
 and the scheduler the engine ran ("scheduler": class path, "async_scheduling").
@@ -107,6 +108,8 @@ def main(spec_path: str, out_path: str) -> None:
         }
     if spec.get("cudagraph_mode"):
         kwargs["compilation_config"] = {"cudagraph_mode": spec["cudagraph_mode"]}
+    if spec.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     llm = LLM(model=spec["model"], max_model_len=8192, enforce_eager=not spec.get("cudagraph_mode"),
               gpu_memory_utilization=0.5, seed=0, dtype=spec.get("dtype", "auto"), **kwargs)
     tok = llm.get_tokenizer()

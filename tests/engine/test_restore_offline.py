@@ -136,3 +136,20 @@ def test_decode_steps_replayed_from_full_graphs_store_nothing_unchecked(runs, tm
         computed = len(prev["prompt_token_ids"]) + len(prev["output_token_ids"]) - 1
         short_of_the_decoded.append(restored < computed // BLOCK_TOKENS * BLOCK_TOKENS)
     assert any(short_of_the_decoded)  # a block with decoded tokens would have been restored
+
+
+def test_under_an_fp8_kv_cache_a_restore_gives_the_outputs_of_plain_vllms_fp8_run(tmp_path, model_dir, essay):
+    """`--kv-cache-dtype fp8`: the workspace keeps K/V as the attention layer
+    receives them and a restore writes them through the cache-update op,
+    which quantizes them as a prefill would, so greedy outputs equal plain
+    vLLM's fp8 run prefilling everything (float32 model: see above)."""
+    import torch
+
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache")
+    plain = run_session(tmp_path, model_dir, essay, None, "float32", kv_cache_dtype="fp8")
+    sekv = run_session(tmp_path, model_dir, essay, SEKV, "float32", kv_cache_dtype="fp8")
+    assert_same_greedy_outputs(plain, sekv)
+    assert all(step["num_cached_tokens"] == 0 for step in plain["steps"])
+    for step in sekv["steps"][1:]:
+        assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] > 0
