@@ -88,6 +88,17 @@ def test_budget_must_leave_room():
 # ------------------------------------------------------------- the planner
 
 
+def probed_history():
+    """An engine whose workspace holds 25 blocks, request "v" of those and 3
+    new tokens matched against them, and the request's probe pass."""
+    eng = Engine()
+    prompt = list(range(1, 1 + 25 * BT))
+    prefill_and_finish(eng, "a", prompt)
+    full = prompt + list(range(500, 503))
+    assert eng.planner.match_history("v", full, "", None) == 25
+    return eng, full, first_pass(len(full), 25, BUDGET)
+
+
 def test_planner_restores_a_view_with_rerope_and_saves_at_virtual_positions():
     eng = Engine()
     prompt = list(range(1, 1 + 25 * BT))
@@ -149,12 +160,7 @@ def test_a_history_the_workspace_cannot_hold_is_served_from_its_end():
 
 
 def test_planner_restores_anchor_tokens_at_their_view_positions():
-    eng = Engine()
-    prompt = list(range(1, 1 + 25 * BT))
-    prefill_and_finish(eng, "a", prompt)
-    full = prompt + list(range(500, 503))
-    assert eng.planner.match_history("v", full, "", None) == 25
-    probe = first_pass(len(full), 25, BUDGET)
+    eng, full, probe = probed_history()
     scores = list(range(22))  # the latest candidates win: blocks 15..22
     final = final_pass(probe, scores, BUDGET, anchors=[43, 11], anchor_tokens=2)
     assert final.anchors == (11, 43) and final.history_blocks == (0, 16, 17, 18, 19, 20, 21, 22, 23, 24)
@@ -192,12 +198,19 @@ def test_context_blocks_bring_a_selected_blocks_neighbours_on_both_sides():
     assert final_pass(probe, scores, tight, context_blocks=1).history_blocks == (0, 9, 10, 11, 20, 23, 24)
 
 
-def test_recomputed_blocks_follow_the_restored_history_and_come_before_the_new_tokens():
+def four_scored_blocks():
+    """A 203-token prompt of 25 history blocks, its probe, and scores that rank
+    candidate blocks 5, 17, then 2 and 9 above the rest."""
     prompt = list(range(1000, 1000 + 203))
     probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)
     scores = [0.0] * len(probe.candidates)
     for block, score in ((5, 3.0), (17, 2.0), (2, 1.0), (9, 1.0)):
         scores[block - 1] = score
+    return prompt, probe, scores
+
+
+def test_recomputed_blocks_follow_the_restored_history_and_come_before_the_new_tokens():
+    prompt, probe, scores = four_scored_blocks()
     whole = final_pass(probe, scores, BUDGET)
     final = final_pass(probe, scores, BUDGET, recompute_blocks=2)  # 5 and 17, the two best
     assert final.recomputed == (5, 17)
@@ -216,12 +229,7 @@ def test_recomputed_blocks_follow_the_restored_history_and_come_before_the_new_t
 
 
 def test_planner_restores_only_the_restored_part_and_never_saves_recomputed_history():
-    eng = Engine()
-    prompt = list(range(1, 1 + 25 * BT))
-    prefill_and_finish(eng, "a", prompt)
-    full = prompt + list(range(500, 503))
-    assert eng.planner.match_history("v", full, "", None) == 25
-    probe = first_pass(len(full), 25, BUDGET)
+    eng, full, probe = probed_history()
     final = final_pass(probe, list(range(22)), BUDGET, recompute_blocks=3)  # latest win: 15..22
     assert final.recomputed == (20, 21, 22)
     assert final.history_blocks == (0, 15, 16, 17, 18, 19, 23, 24)
@@ -246,11 +254,7 @@ def test_planner_restores_only_the_restored_part_and_never_saves_recomputed_hist
 
 
 def test_in_order_recompute_keeps_virtual_order_from_the_earliest_recomputed_block_on():
-    prompt = list(range(1000, 1000 + 203))
-    probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)
-    scores = [0.0] * len(probe.candidates)
-    for block, score in ((5, 3.0), (17, 2.0), (2, 1.0), (9, 1.0)):
-        scores[block - 1] = score
+    prompt, probe, scores = four_scored_blocks()
     whole = final_pass(probe, scores, BUDGET)
     final = final_pass(probe, scores, BUDGET, recompute_blocks=2, recompute_in_order=True)
     # 5 and 17 are the best two: everything from block 5 on is recomputed, recent (23, 24) too
