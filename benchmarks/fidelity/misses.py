@@ -10,7 +10,10 @@ one), the case where a 32-token selection can hold the number without the
 key that names it.
 
     python benchmarks/fidelity/misses.py --model QWEN_DIR \\
-        [--runs benchmarks/results/fidelity/runs/h200-multikey-code.jsonl] [--out benchmarks/results/fidelity]
+        [--runs RUN.jsonl [RUN.jsonl ...]] [--out benchmarks/results/fidelity]
+
+`--runs` (default: every file in `benchmarks/results/fidelity/runs/`, in name
+order): a trial found in several files counts once, from the last one.
 
 Writes `misses.json` and `misses.md` (headed by machine, commit and command)
 into `--out`.
@@ -32,7 +35,7 @@ import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 
 FACT = re.compile(r"special magic numbers for ([a-z]+-[a-z]+) is: (\d+)\.")
-VIEW_METHODS = ("views", "views-q16", "views-rerank")
+TEXT_METHODS = ("rag", "oracle", "full")
 
 
 def fact_span_blocks(tokenizer, messages: list[dict], key: str, value: str, block_tokens: int) -> tuple[int, int]:
@@ -58,15 +61,20 @@ def fact_span_blocks(tokenizer, messages: list[dict], key: str, value: str, bloc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the evaluated model's folder (its tokenizer renders the prompts)")
-    ap.add_argument("--runs", default=str(H.results_dir("fidelity") / "runs" / "h200-multikey-code.jsonl"))
+    ap.add_argument("--runs", nargs="+",
+                    default=sorted(map(str, (H.results_dir("fidelity") / "runs").glob("*.jsonl"))))
     ap.add_argument("--out", default=str(H.results_dir("fidelity")))
     ap.add_argument("--block-tokens", type=int, default=32)
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows = [json.loads(line) for line in open(args.runs)]
-    rows = [r for r in rows if r["family"] == "multikey"]
+    by_trial = {}
+    for path in args.runs:
+        for line in open(path):
+            r = json.loads(line)
+            by_trial[(r["family"], r["history_tokens"], r["seed"], r["question"], r["method"])] = r
+    rows = [r for r in by_trial.values() if r["family"] == "multikey"]
     corpora, sessions, cut = Corpora(), {}, {}
     for r in rows:
         sid = (r["history_tokens"], r["seed"])
@@ -80,7 +88,7 @@ def main() -> None:
             cut[sid, q] = kb != vb
     table = collections.defaultdict(collections.Counter)
     for r in rows:
-        if r["method_name"] not in VIEW_METHODS and r["method_name"] not in ("rag", "oracle", "full"):
+        if not r["method_name"].startswith("views") and r["method_name"] not in TEXT_METHODS:
             continue
         sid = (r["history_tokens"], r["seed"])
         session, q = sessions[sid], r["question"]
@@ -101,7 +109,7 @@ def main() -> None:
     (Path(args.out) / "misses.json").write_text(json.dumps({"meta": meta, "cells": out}, indent=1) + "\n")
     kinds = ("another question's answer", "an unasked planted fact", "no planted value")
     lines = H.header_from(meta, "Fidelity: what the wrong answers on multikey sessions were") + [
-        f"From `{Path(args.runs).name}`, sessions regenerated with the evaluated model's tokenizer; "
+        f"From {', '.join(f'`{Path(r).name}`' for r in args.runs)}, sessions regenerated with the evaluated model's tokenizer; "
         f"a fact is *cut* when its key and its number fall in different {args.block_tokens}-token blocks "
         "of the served prompt.", "",
         "| history | method | correct, fact whole | correct, fact cut | wrong: " + " | wrong: ".join(kinds) + " |",

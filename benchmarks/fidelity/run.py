@@ -70,6 +70,9 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     # the same in virtual order: everything from the earliest of them on is recomputed
     "views-rerank-rc16-ord": ("views-rerank", {"recompute_blocks": 16, "recompute_layout": "in_order"}),
     "views-rerank-rcall-ord": ("views-rerank", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    # each selected block with its neighbours (a fact cut by a block boundary stays whole), the best recomputed
+    "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16}),
+    "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64}),
 }
 TTFT = "vllm:time_to_first_token_seconds"
 LINE_TOKENS = 64  # evidence this short must be in a view whole
