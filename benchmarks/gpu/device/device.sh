@@ -19,6 +19,8 @@
 #                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
 #                   (a 512K session from 64K views, CUDA graphs), report to $OUT/views.*
+#   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: plain, native and sekv serving 16 concurrent
+#                   sessions, report and summary to $OUT/fleet.*, $OUT/summary.json
 #
 # Every step writes its log under $OUT and prints how long it took. Reports name
 # the commit from $SEKV_COMMIT (the copy of the tree here has no git history):
@@ -121,6 +123,10 @@ case $step in
     run views 580 python3 benchmarks/gpu/views_e2e.py --host-bytes 66G --engines sekv plain --sizes 65536 524288 \
       --view-tokens 65536 --steps 2 --decode-tokens 128 --cuda-graphs --timeout-s 280 --out "$OUT/views" "$@"
     log "views done" ;;
+  fleet)  # many agents at once: benchmarks/results/fleet/
+    run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --engines plain native sekv --timeout-s 180 \
+      --out "$OUT/fleet" "$@"
+    log "fleet done" ;;
   *)
     echo "unknown step $step"; exit 2 ;;
 esac

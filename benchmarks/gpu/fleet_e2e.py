@@ -1,0 +1,263 @@
+"""A fleet of agents at once: concurrent sessions on one device whose KV cache
+cannot hold them all, served by plain vLLM (its prefix cache only), vLLM's
+native `OffloadingConnector` and sekv, each engine with the same host bytes.
+
+    python benchmarks/gpu/fleet_e2e.py --engines plain native sekv --sessions 16 \\
+        --first-tokens 16384 --step-tokens 2048 --steps 4 [--out benchmarks/results/fleet/report]
+
+Every session starts from a history of its own (`--first-tokens` random token
+ids) and takes `--steps` steps; a step sends the whole history and
+`--step-tokens` new tokens (a tool result), generates `--decode-tokens`
+tokens, and the session then waits a tool pause (uniform in `--pause-s`)
+before its next step. All sessions run at once, started a random fraction of
+a pause apart. The device's KV cache is capped at `--gpu-cache-tokens`
+(vLLM's `num_gpu_blocks_override`), fewer than the sessions hold together,
+so between a session's steps the others push its history out of it: plain
+vLLM prefills it again, native offloading and sekv restore it from host
+memory. Engines run one after the other, each in its own process, on the
+Llama-3.1-8B geometry with dummy weights (`restore_e2e.LLAMA31_8B`) unless
+`--model` names a model folder.
+
+Reported per engine, over the later steps (a session's first step prefills
+its history on every engine and is not counted): steps per second and
+generated tokens per second (from the first counted step's start to the last
+one's end), p50 / p99 time to first token, and the peak device memory
+(`nvidia-smi`, the whole device) and host memory (resident set of the
+engine's processes) sampled every half second. Writes OUT.json (every step
+of every session) and OUT.md, headed by machine, commit and command, and
+`summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
+"codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
+"ttft_p99_s"}]}`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report_header as H  # noqa: E402
+from restore_e2e import LLAMA31_8B  # noqa: E402
+
+TITLE = "A fleet of agents: concurrent sessions on a KV cache too small for them all"
+ENGINES = ("plain", "native", "sekv")
+
+
+def engine_main(spec: dict) -> None:
+    """One engine in this process: every session at once; the steps to spec["out"]."""
+    import asyncio
+    import random
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kwargs = {}
+    if spec["engine"] == "native":
+        kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"cpu_bytes_to_use": spec["host_bytes"]}}
+    elif spec["engine"] == "sekv":
+        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"host_bytes": spec["host_bytes"]}}
+    dummy = spec["load_format"] == "dummy"
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=spec["model_dir"], load_format=spec["load_format"], skip_tokenizer_init=dummy, enforce_eager=True,
+        max_model_len=spec["max_model_len"], gpu_memory_utilization=spec["gpu_memory_utilization"],
+        num_gpu_blocks_override=spec["gpu_blocks"], enable_prefix_caching=True, seed=0, **kwargs))
+    params = SamplingParams(max_tokens=spec["decode_tokens"], temperature=0.0, ignore_eos=True,
+                            detokenize=not dummy)
+    lo, hi = 1000, spec["vocab_size"] - 1000
+    steps: list[dict] = []
+
+    async def session(i: int) -> None:
+        rng = random.Random(f"session-{i}")
+        history = [rng.randrange(lo, hi) for _ in range(spec["first_tokens"])]
+        await asyncio.sleep(rng.uniform(0, spec["pause_s"][1]))
+        for step in range(spec["steps"]):
+            prompt = history + [rng.randrange(lo, hi) for _ in range(spec["step_tokens"])]
+            start, first, out = time.perf_counter(), None, None
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                             request_id=f"{spec['engine']}-{i}-{step}"):
+                if first is None and out.outputs[0].token_ids:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            generated = list(out.outputs[0].token_ids)
+            steps.append({"session": i, "step": step, "prompt_tokens": len(prompt), "generated_tokens": len(generated),
+                          "cached_tokens": out.num_cached_tokens, "start_s": start, "end_s": end,
+                          "ttft_s": (first or end) - start})
+            history = prompt + generated
+            await asyncio.sleep(rng.uniform(*spec["pause_s"]))
+
+    async def fleet() -> None:
+        await asyncio.gather(*(session(i) for i in range(spec["sessions"])))
+
+    t0 = time.perf_counter()
+    asyncio.run(fleet())
+    print(f"[{spec['engine']}] {len(steps)} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+    engine.shutdown()
+    Path(spec["out"]).write_text(json.dumps(steps))
+
+
+class PeakMemory:
+    """Peak device memory (nvidia-smi; None without it) and peak resident host
+    memory of a process and its children, sampled every `period_s`."""
+
+    def __init__(self, pid: int, period_s: float = 0.5) -> None:
+        self.pid, self.period_s = pid, period_s
+        self.gpu_bytes: int | None = None
+        self.host_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(self.period_s):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+                self.host_bytes = max(self.host_bytes, sum(p.memory_info().rss for p in procs))
+            except psutil.Error:
+                pass
+            try:
+                used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                      capture_output=True, text=True, timeout=10).stdout.split()
+                self.gpu_bytes = max(self.gpu_bytes or 0, int(used[0]) << 20)
+            except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_engine(spec: dict, workdir: Path) -> dict | None:
+    """Run one engine in its own process; its row, or None if it failed."""
+    path = workdir / f"{spec['engine']}.json"
+    spec = {**spec, "out": str(path.with_suffix(".steps.json"))}
+    path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, __file__, "--engine-spec", str(path)])
+    memory = PeakMemory(proc.pid)
+    try:
+        rc = proc.wait(timeout=spec["timeout_s"])
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
+    memory.stop()
+    if rc != 0:
+        print(f"engine {spec['engine']} failed: {rc}", flush=True)
+        return None
+    steps = json.loads(Path(spec["out"]).read_text())
+    return summarize(spec, steps, memory)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def summarize(spec: dict, steps: list[dict], memory: PeakMemory) -> dict:
+    counted = [s for s in steps if s["step"] > 0]
+    span = max(s["end_s"] for s in counted) - min(s["start_s"] for s in counted)
+    ttfts = [s["ttft_s"] for s in counted]
+    return {
+        "engine": spec["engine"], "codec": "exact" if spec["engine"] == "sekv" else "-",
+        "sessions": spec["sessions"], "steps_counted": len(counted),
+        "steps_per_s": round(len(counted) / span, 4),
+        "tokens_per_s": round(sum(s["generated_tokens"] for s in counted) / span, 2),
+        "ttft_p50_s": round(percentile(ttfts, 50), 4), "ttft_p99_s": round(percentile(ttfts, 99), 4),
+        "cached_share": round(sum(s["cached_tokens"] for s in counted) / sum(s["prompt_tokens"] for s in counted), 4),
+        "gpu_peak_gib": None if memory.gpu_bytes is None else round(memory.gpu_bytes / 2**30, 2),
+        "host_peak_gib": round(memory.host_bytes / 2**30, 2),
+        "steps": steps,
+    }
+
+
+def report(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
+    meta = H.meta(H.command(__file__))
+    held = args.sessions * (args.first_tokens + args.steps * (args.step_tokens + args.decode_tokens))
+    lines = [
+        *H.header_from(meta, TITLE),
+        f"{args.sessions} sessions at once, each from a {args.first_tokens}-token history, {args.steps} steps of "
+        f"{args.step_tokens} new tokens and {args.decode_tokens} generated, a tool pause of "
+        f"{args.pause_s[0]}-{args.pause_s[1]} s between steps; the sessions end holding {held} tokens together, "
+        f"the device's KV cache holds {args.gpu_cache_tokens}; host bytes per engine: {args.host_bytes}. "
+        "Over the steps after each session's first; `cached`: the share of their prompt tokens vLLM did not "
+        "compute (its prefix cache or a connector's restore).",
+        "",
+        "| engine | steps/s | generated tokens/s | TTFT p50 | TTFT p99 | cached | device GiB (peak) | host GiB (peak) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gpu = "-" if r["gpu_peak_gib"] is None else f"{r['gpu_peak_gib']:.1f}"
+        lines.append(f"| {r['engine']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} s | "
+                     f"{r['ttft_p99_s']:.3f} s | {r['cached_share']:.2f} | {gpu} | {r['host_peak_gib']:.1f} |")
+    by = {r["engine"]: r for r in rows}
+    if "sekv" in by and "native" in by:
+        s, n = by["sekv"], by["native"]
+        lines += ["", f"sekv against native offloading, measured in this run: throughput "
+                  f"{s['steps_per_s'] / n['steps_per_s']:.2f}x, p99 time to first token "
+                  f"{s['ttft_p99_s'] / n['ttft_p99_s']:.2f}x."]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    H.write_report(out.with_suffix(".md"), lines)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    summary = [{k: r[k] for k in ("engine", "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
+                                  "ttft_p99_s")} for r in rows]
+    (out.parent / "summary.json").write_text(json.dumps(
+        {"machine": meta["machine"], "commit": meta["commit"], "rows": summary}, indent=1) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-spec", help=argparse.SUPPRESS)
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    ap.add_argument("--model", help="a model folder (default: Llama-3.1-8B geometry, dummy weights)")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--first-tokens", type=int, default=16384)
+    ap.add_argument("--step-tokens", type=int, default=2048)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--pause-s", type=float, nargs=2, default=[0.5, 2.0], metavar=("LO", "HI"))
+    ap.add_argument("--gpu-cache-tokens", type=int, default=98304)
+    ap.add_argument("--block-size", type=int, default=16, help="vLLM's KV page on this device (CPUs: 128)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--host-bytes", default="64G", help="sekv's host_bytes; native offloading gets as many")
+    ap.add_argument("--timeout-s", type=int, default=560)
+    ap.add_argument("--out", default=str(H.results_dir("fleet") / "report"), help="writes OUT.json and OUT.md")
+    args = ap.parse_args()
+    if args.engine_spec:
+        engine_main(json.loads(Path(args.engine_spec).read_text()))
+        return
+    from vllm_sekv.config import parse_size_bytes
+
+    workdir = Path(tempfile.mkdtemp(prefix="fleet_e2e_"))
+    if args.model:
+        model_dir, load_format = args.model, "auto"
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    else:
+        model_dir, load_format, vocab = workdir / "llama31-8b", "dummy", LLAMA31_8B["vocab_size"]
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
+    longest = args.first_tokens + args.steps * (args.step_tokens + args.decode_tokens)
+    base = {"model_dir": str(model_dir), "load_format": load_format, "vocab_size": vocab,
+            "sessions": args.sessions, "first_tokens": args.first_tokens, "step_tokens": args.step_tokens,
+            "decode_tokens": args.decode_tokens, "steps": args.steps, "pause_s": args.pause_s,
+            "max_model_len": longest + 64, "gpu_blocks": -(-args.gpu_cache_tokens // args.block_size),
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s}
+    rows = [row for engine in args.engines if (row := run_engine({**base, "engine": engine}, workdir))]
+    if rows:
+        report(rows, args, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
