@@ -54,3 +54,13 @@ def test_bad_config_names_the_key(extra, env, key):
 def test_bad_extra_value_fails_even_when_the_environment_overrides_it():
     with pytest.raises(ValueError, match="host_bytes"):
         SekvConfig.from_sources({"host_bytes": "lots"}, environ={"SEKV_HOST_BYTES": "1G"})
+
+
+def test_every_key_is_documented_once_and_nothing_else_is():
+    """docs/configuration.md has one table row per config key (`| \\`key\\` | default | meaning |`)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `([a-z_]+)` \|", doc, re.M)
+    assert sorted(rows) == sorted(SekvConfig.keys())
