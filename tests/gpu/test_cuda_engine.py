@@ -27,12 +27,14 @@ SEKV = {"host_bytes": "2G", "block_tokens": BLOCK_TOKENS, "restore_mode": "layer
 SEKV_BATCHED = {**SEKV, "restore_mode": "batched"}
 
 
-def run_session(tmp_path, model_dir, essay, sekv, reset, cudagraph_mode=None):
+def run_session(tmp_path, model_dir, essay, sekv, reset, cudagraph_mode=None, kv_cache_dtype=None):
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
     spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24, "cudagraph_mode": cudagraph_mode,
-            "salt": "tenant-a", "other_salt": "tenant-b", "dtype": "bfloat16", "reset": reset}
+            "salt": "tenant-a", "other_salt": "tenant-b", "dtype": "bfloat16", "reset": reset,
+            "kv_cache_dtype": kv_cache_dtype}
     name = f"{'sekv-' + sekv.get('restore_mode', 'auto') if sekv is not None else 'plain'}-{'reset' if reset else 'warm'}"
     name += f"-{cudagraph_mode.lower()}" if cudagraph_mode else ""
+    name += f"-{kv_cache_dtype}" if kv_cache_dtype else ""
     return run_runner("session_runner.py", spec, tmp_path, name)
 
 
@@ -97,3 +99,18 @@ def test_under_cuda_graphs_outputs_equal_plain_vllm_and_restores_compute_only_ne
     for prev, step in zip(sekv["steps"], sekv["steps"][1:]):
         computed_before = len(prev["prompt_token_ids"]) + len(prev["output_token_ids"]) - 1
         assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == computed_before // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def test_under_an_fp8_kv_cache_outputs_equal_plain_vllm_and_the_history_is_restored(tmp_path, model_dir, essay):
+    """`--kv-cache-dtype fp8`: the workspace keeps K/V as the attention layer
+    receives them and a restore writes them through the backend's own
+    cache-update op, which quantizes them as the original prefill did, so the
+    paged cache holds the same bytes vLLM's own prefix cache would."""
+    warm = run_session(tmp_path, model_dir, essay, None, reset=False, kv_cache_dtype="fp8")
+    sekv = run_session(tmp_path, model_dir, essay, SEKV, reset=True, kv_cache_dtype="fp8")
+    assert warm["steps"][2]["num_cached_tokens"] > 0
+    for w, s in zip(warm["steps"], sekv["steps"]):
+        assert s["output_token_ids"] == w["output_token_ids"]
+        assert s["num_cached_tokens"] == w["num_cached_tokens"]
+    for step in sekv["steps"][1:]:
+        assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] > 0
