@@ -15,7 +15,7 @@ a pause apart. The device's KV cache is capped at `--gpu-cache-tokens`
 so between a session's steps the others push its history out of it: plain
 vLLM prefills it again, native offloading and sekv restore it from host
 memory. Engines run one after the other, each in its own process, on the
-Llama-3.1-8B geometry with dummy weights (`restore_e2e.LLAMA31_8B`) unless
+Llama-3.1-8B geometry with dummy weights (`restore_e2e.model_folder`) unless
 `--model` names a model folder.
 
 Reported per engine, over the later steps (a session's first step prefills
@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report_header as H  # noqa: E402
-from restore_e2e import LLAMA31_8B  # noqa: E402
+from restore_e2e import model_folder  # noqa: E402
 
 TITLE = "A fleet of agents: concurrent sessions on a KV cache too small for them all"
 ENGINES = ("plain", "native", "sekv")
@@ -240,13 +240,7 @@ def main() -> None:
     from vllm_sekv.config import parse_size_bytes
 
     workdir = Path(tempfile.mkdtemp(prefix="fleet_e2e_"))
-    if args.model:
-        model_dir, load_format = args.model, "auto"
-        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    else:
-        model_dir, load_format, vocab = workdir / "llama31-8b", "dummy", LLAMA31_8B["vocab_size"]
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
+    model_dir, load_format, vocab = model_folder(args.model, workdir)
     longest = args.first_tokens + args.steps * (args.step_tokens + args.decode_tokens)
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab_size": vocab,
             "sessions": args.sessions, "first_tokens": args.first_tokens, "step_tokens": args.step_tokens,

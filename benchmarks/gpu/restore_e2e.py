@@ -63,6 +63,19 @@ LLAMA31_8B = {
 }
 
 
+
+def model_folder(model_dir: str | None, workdir: Path) -> tuple[str, str, int]:
+    """(folder, vLLM load format, vocabulary size) of the model an end-to-end
+    benchmark serves: `model_dir` with its weights, or (None) a folder under
+    `workdir` holding the Llama-3.1-8B geometry for dummy weights."""
+    if model_dir:
+        return str(model_dir), "auto", json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    folder = workdir / "llama31-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA31_8B))
+    return str(folder), "dummy", LLAMA31_8B["vocab_size"]
+
+
 # The follow-up's path from submission to its restore's first copies.
 TIMELINE = ["llm.add_request", "scheduler.schedule", "sekv.sched.get_num_new_matched_tokens",
             "sekv.sched.build_connector_meta", "sekv.worker.bind", "sekv.layerwise.start", "sekv.worker.start_load_kv"]
@@ -349,9 +362,7 @@ def main() -> None:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
         return
     workdir = Path(tempfile.mkdtemp(prefix="restore_e2e_"))
-    model_dir = workdir / "llama31-8b"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
+    model_dir, _, _ = model_folder(None, workdir)
     bandwidth, pitched = h2d_bandwidth(), pitched_bandwidth()
     print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s, pitched layer copies: {pitched / 1e9:.1f} GB/s", flush=True)
     base = {"model_dir": str(model_dir), "lengths": args.lengths, "repeats": args.repeats,

@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report_header as H  # noqa: E402
-from restore_e2e import LLAMA31_8B, merged_meta  # noqa: E402
+from restore_e2e import merged_meta, model_folder  # noqa: E402
 
 NEW_TOKENS = 64
 GIB = 1 << 30
@@ -377,13 +377,7 @@ def main() -> None:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
         return
     workdir = Path(tempfile.mkdtemp(prefix="views_e2e_"))
-    if args.model_dir:
-        model_dir, load_format = args.model_dir, "auto"
-        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    else:
-        model_dir, load_format, vocab = workdir / "llama31-8b", "dummy", LLAMA31_8B["vocab_size"]
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
+    model_dir, load_format, vocab = model_folder(args.model_dir, workdir)
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab": vocab, "sizes": args.sizes,
             "view_tokens": args.view_tokens, "steps": args.steps, "decode_tokens": args.decode_tokens,
             "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s,
