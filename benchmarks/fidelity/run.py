@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         if view is not None:
             row["view_tokens"] = view.get("view_tokens")
             row["view_passes"] = view.get("passes")
+            row["pass_seconds"] = view.get("pass_seconds")
             row["restored_tokens"] = (r["sekv"] or {}).get("restored_tokens")
             row["selected_blocks"] = view.get("selected_blocks")
             row["answer_blocks"] = view.get("answer_blocks")

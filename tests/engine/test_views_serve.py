@@ -46,6 +46,9 @@ def test_the_probe_never_reaches_the_client(session):
     # final pass; instead the one token is the first of the longer answer.
     assert one["usage"]["completion_tokens"] == 1
     assert sekv(one)["view"]["passes"] == {"probe": 1, "final": 1}
+    (probe, chosen, done), (final, final_chosen, final_done) = sekv(one)["view"]["pass_seconds"]
+    assert (probe, final, final_done) == ("probe", "final", None)
+    assert 0 <= chosen <= done <= final_chosen
     first = one["choices"][0]["message"]["content"]
     assert first and answer["choices"][0]["message"]["content"].startswith(first)
 

@@ -18,6 +18,7 @@ row per (layer, query head).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -54,6 +55,10 @@ class ViewJob:
     # "router"; <= 0: exact); None without a router's report.
     ranks: np.ndarray | None = None
     num_passes: dict[str, int] = field(default_factory=dict)
+    # [kind, chosen, done] of each pass, seconds since admission (done: None
+    # for the sampling pass); where a view step's time goes.
+    timeline: list[list] = field(default_factory=list)
+    admitted_at: float = field(default_factory=time.monotonic)
     prefilled_tokens: int = 0  # prompt tokens computed, over all passes
     ingested_to: int = 0  # virtual end of the last ingest pass
     truncated: bool = False  # the workspace could not hold the history (see `next_pass`)
@@ -71,6 +76,10 @@ class ViewJob:
         """The full history in virtual order, prompt then generated tokens
         (joined, not copied: asked for at every new block)."""
         return JoinedTokens(self.prompt, request.output_token_ids)
+
+    def seconds(self) -> float:
+        """Seconds since admission, to the millisecond."""
+        return round(time.monotonic() - self.admitted_at, 3)
 
 
 class ViewCoordinator:
@@ -176,6 +185,7 @@ class ViewCoordinator:
                 job.ingested_to = view.tail_start + view.tail_tokens
             job.current = view
             job.num_passes[view.kind.value] = job.num_passes.get(view.kind.value, 0) + 1
+            job.timeline.append([view.kind.value, job.seconds(), None])
             job.prefilled_tokens += view.num_tokens - view.history_tokens - (0 if view.samples else 1)
             compat.rewrite_request(request, view.token_ids(job.prompt), self._pass_salt(job))
             if view.samples:
@@ -271,6 +281,7 @@ class ViewCoordinator:
         """The request was taken out of the engine after a non-sampling pass."""
         job = self.jobs[request.request_id]
         self.planner.end_pass(job.req_id, tokens_of)
+        job.timeline[-1][2] = job.seconds()
         if job.current.kind is PassKind.PROBE:
             job.probe = job.current
         job.current = None
@@ -315,6 +326,7 @@ class ViewCoordinator:
         view = job.current
         out: dict[str, Any] = {
             "passes": dict(job.num_passes),
+            "pass_seconds": job.timeline,
             "prompt_tokens": len(job.prompt),
             "prefilled_tokens": job.prefilled_tokens,
         }

@@ -12,9 +12,11 @@
 #                   /tmp/convert.log), while later calls carry the rest
 #   setup           unpack vLLM 0.26, install this project, prepare SmolLM2
 #   tests           the CUDA unit tests, then Qwen's engine and serve tests
-#   engine          SmolLM2's engine tests
+#   engine [ARGS]   SmolLM2's engine tests (ARGS: more pytest arguments, e.g. -k fp8)
 #   fidelity ARGS   start benchmarks/fidelity/run.py on Qwen in the background
 #   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT
+#                   (FID=/tmp/fidN before `bash`: a second evaluation beside the first,
+#                   started once the first one's servers are up)
 #   restore [ARGS]  benchmarks/gpu/restore_e2e.py as in benchmarks/results/gpu_restore/
 #                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
@@ -30,6 +32,7 @@ cd "$(dirname "$0")/../../.."
 export PYTHONPATH=/tmp/site SEKV_CACHE_DIR=/tmp/sekvcache SEKV_MODEL_PARTS=/tmp/parts PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 QWEN=/tmp/sekvcache/models/Qwen2.5-Coder-1.5B-Instruct
+FID=${FID:-/tmp/fid}  # the fidelity evaluation's folder
 step=$1; shift
 start=$(date +%s)
 log() { echo "[$step] $* ($(( $(date +%s) - start )) s)"; }
@@ -45,14 +48,17 @@ run() {  # run NAME LIMIT_S CMD...: the command's log in $OUT/NAME.log, its tail
 }
 
 wait_for_fidelity_servers() {  # vLLM sizes its cache from the memory free at its start: never start beside one
-  [ -f /tmp/fid/run.log ] || return 0
-  local want; want=$(grep -o "starting [0-9]* servers" /tmp/fid/run.log | grep -o "[0-9]*")
-  for _ in $(seq 420); do
-    [ "$(grep -c '\[servers\].* up' /tmp/fid/run.log)" -ge "${want:-1}" ] && break
-    grep -q "did not start" /tmp/fid/run.log && break
-    sleep 1
+  local runlog want
+  for runlog in /tmp/fid*/run.log; do
+    [ -f "$runlog" ] || continue
+    for _ in $(seq 600); do
+      want=$(grep -o "starting [0-9]* servers" "$runlog" | grep -o "[0-9]*")
+      [ -n "$want" ] && [ "$(grep -c '\[servers\].* up' "$runlog")" -ge "$want" ] && break
+      grep -q "did not start\|nothing to run" "$runlog" && break
+      sleep 1
+    done
+    log "$runlog: $(grep -c '\[servers\].* up' "$runlog") of ${want:-?} servers up"
   done
-  log "fidelity servers: $(grep -c '\[servers\].* up' /tmp/fid/run.log) of ${want:-?} up"
 }
 
 case $step in
@@ -97,24 +103,25 @@ case $step in
     log "tests done" ;;
   engine)  # SmolLM2's engine tests: greedy equality with layerwise, batched and CUDA-graph restores
     wait_for_fidelity_servers
-    run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py
+    run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py "$@"
     log "engine tests done" ;;
   fidelity)  # start the evaluation in the background: it outlives the call, `wait` follows it
     for _ in $(seq 300); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
-    mkdir -p /tmp/fid
+    wait_for_fidelity_servers
+    mkdir -p "$FID"
     setsid nohup python3 benchmarks/fidelity/run.py --model "$QWEN" --code-root /tmp/stdlib/python3.11 \
-      --out /tmp/fid/trials.jsonl --log-dir /tmp/fid/servers "$@" > /tmp/fid/run.log 2>&1 < /dev/null &
-    echo $! > /tmp/fid/pid
+      --out "$FID/trials.jsonl" --log-dir "$FID/servers" "$@" > "$FID/run.log" 2>&1 < /dev/null &
+    echo $! > "$FID/pid"
     log "evaluation started" ;;
   wait)  # follow the evaluation for up to $1 seconds; its results so far to $OUT
-    pid=$(cat /tmp/fid/pid)
+    pid=$(cat "$FID/pid")
     for _ in $(seq "${1:-540}"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-    cp /tmp/fid/trials.jsonl /tmp/fid/trials.meta.json "$OUT/" 2>/dev/null
-    grep -v "WARNING" /tmp/fid/run.log | tail -c 2000000 > "$OUT/run.log"
-    for f in /tmp/fid/servers/*.log; do echo "== $f"; grep -E "ERROR|Error|Traceback|sekv" "$f" | tail -40; done \
+    cp "$FID/trials.jsonl" "$FID/trials.meta.json" "$OUT/" 2>/dev/null
+    grep -v "WARNING" "$FID/run.log" | tail -c 2000000 > "$OUT/run.log"
+    for f in "$FID"/servers/*.log; do echo "== $f"; grep -E "ERROR|Error|Traceback|sekv" "$f" | tail -40; done \
       > "$OUT/servers.log" 2>/dev/null
     kill -0 "$pid" 2>/dev/null && state=running || state=finished
-    log "$state: $(wc -l < /tmp/fid/trials.jsonl 2>/dev/null) trials"; tail -3 /tmp/fid/run.log ;;
+    log "$state: $(wc -l < "$FID/trials.jsonl" 2>/dev/null) trials"; tail -3 "$FID/run.log" ;;
   restore)  # the restore benchmark's current report (benchmarks/results/gpu_restore/report.md)
     run restore 570 python3 benchmarks/gpu/restore_e2e.py --engines sekv-host native plain --lengths 65536 130944 \
       --repeats 3 --timers --host-bytes 26G --out "$OUT/restore" "$@"
