@@ -187,17 +187,17 @@ class SekvConfig:
     rerank_blocks: int = 0
     # Of a view's selected history blocks, the first this many in the order
     # the view chose them (best score first) are computed afresh inside the
-    # view, after its restored history and before the new tokens, instead of
-    # restored (0 = restore all). Restored KV was computed inside the whole
-    # long history and carries what the model read there, look-alike facts
-    # included; recomputed KV sees only the view. Costs a prefill of
-    # recompute_blocks x block_tokens tokens per step. Not with coarse "on".
+    # view instead of restored (0 = restore all). Restored KV carries the
+    # context it was first computed in (an ingest chunk, an earlier step's
+    # view), look-alike facts included; recomputed KV sees this view. Costs
+    # a prefill of the recomputed tokens per step. Not with coarse "on".
     recompute_blocks: int = 0
-    # Where recomputed blocks go: "after_recent" (behind the restored
-    # history, recent window included: the view's order changes) or
-    # "in_order" (virtual order kept: every history block from the earliest
-    # recomputed one on is recomputed, recent included; costs more).
-    recompute_layout: str = "after_recent"
+    # Where recomputed blocks go: "in_order" (virtual order kept: every
+    # history block from the earliest recomputed one on is recomputed, the
+    # recent window included) or "after_recent" (behind the restored history
+    # and the recent window: the view's order changes; computes fewer tokens,
+    # answers worse on code).
+    recompute_layout: str = "in_order"
     # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
     # ("" = no router: the training-free index above selects). Checked here, at
     # start-up: the file must exist and be a valid router file; its model

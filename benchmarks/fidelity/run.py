@@ -63,16 +63,16 @@ SEKV_CONFIGS: dict[str, dict] = {
 # Methods that a configuration above serves with request parameters of their
 # own (`kv_transfer_params`): (server configuration, parameters).
 REQUEST_METHODS: dict[str, tuple[str, dict]] = {
-    # the best 16 / 64 / every selected block recomputed in the view instead of restored
-    "views-rerank-rc16": ("views-rerank", {"recompute_blocks": 16}),
-    "views-rerank-rc64": ("views-rerank", {"recompute_blocks": 64}),
-    "views-rerank-rcall": ("views-rerank", {"recompute_blocks": 100000}),
+    # the best 16 / 64 / every selected block recomputed in the view instead of restored, behind the recent window
+    "views-rerank-rc16": ("views-rerank", {"recompute_blocks": 16, "recompute_layout": "after_recent"}),
+    "views-rerank-rc64": ("views-rerank", {"recompute_blocks": 64, "recompute_layout": "after_recent"}),
+    "views-rerank-rcall": ("views-rerank", {"recompute_blocks": 100000, "recompute_layout": "after_recent"}),
     # the same in virtual order: everything from the earliest of them on is recomputed
     "views-rerank-rc16-ord": ("views-rerank", {"recompute_blocks": 16, "recompute_layout": "in_order"}),
     "views-rerank-rcall-ord": ("views-rerank", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # each selected block with its neighbours (a fact cut by a block boundary stays whole), the best recomputed
-    "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16}),
-    "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64}),
+    "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16, "recompute_layout": "after_recent"}),
+    "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64, "recompute_layout": "after_recent"}),
 }
 TTFT = "vllm:time_to_first_token_seconds"
 LINE_TOKENS = 64  # evidence this short must be in a view whole

@@ -248,9 +248,11 @@ def main() -> None:
             "max_model_len": longest + 64, "gpu_blocks": -(-args.gpu_cache_tokens // args.block_size),
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s}
-    rows = [row for engine in args.engines if (row := run_engine({**base, "engine": engine}, workdir))]
-    if rows:
-        report(rows, args, Path(args.out))
+    rows = []
+    for engine in args.engines:  # the report after each engine: a run cut short keeps what it measured
+        if row := run_engine({**base, "engine": engine}, workdir):
+            rows.append(row)
+            report(rows, args, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 real vLLM engine and SmolLM2, float32.
 
 A 3-step session served from 384-token views with every selected block
-recomputed, in both layouts: "after_recent" with no recent window, set in the
-server's config, and "in_order" with one (recomputed too), asked for by each
-request (`vllm_xargs`). Either way the final view is the sink
+recomputed, in both layouts: "in_order" (the default) with a recent window
+(recomputed too), set in the server's config, and "after_recent" with no
+recent window, asked for by each request (`vllm_xargs`). Either way the final view is the sink
 (restored: the first tokens' KV does not depend on what follows them) + the
 rest of the history and the new tokens, computed in the view in virtual
 order. Its greedy output must be plain vLLM's on exactly that token sequence,
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.engine
 BT = 32
 SEKV = {"host_bytes": "512M", "block_tokens": BT, "view_tokens": 384, "sink_tokens": 64}
 LAYOUTS = {  # layout -> (server config, request's own parameters)
-    "after_recent": ({"recent_tokens": 0, "recompute_blocks": 1000}, None),
-    "in_order": ({"recent_tokens": 64}, {"recompute_blocks": 1000, "recompute_layout": "in_order"}),
+    "in_order": ({"recent_tokens": 64, "recompute_blocks": 1000}, None),
+    "after_recent": ({"recent_tokens": 0}, {"recompute_blocks": 1000, "recompute_layout": "after_recent"}),
 }
 
 
