@@ -41,10 +41,12 @@ def test_non_config_env_is_ignored():
         ({"restore_codec": "router"}, {}, "restore_codec"),  # no router_path
         ({"recompute_blocks": -1}, {}, "recompute_blocks"),
         ({"recompute_blocks": 4, "surprisal": "on", "coarse": "on"}, {}, "recompute_blocks"),
+        ({"lexical_weight": -1}, {}, "lexical_weight"),
+        ({}, {"SEKV_LEXICAL_WEIGHT": "nan"}, "lexical_weight"),
     ],
     ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
          "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router",
-         "negative-recompute", "recompute-with-coarse"],
+         "negative-recompute", "recompute-with-coarse", "negative-lexical-weight", "nan-lexical-weight"],
 )
 def test_bad_config_names_the_key(extra, env, key):
     with pytest.raises(ValueError, match=key):

@@ -185,6 +185,13 @@ class SekvConfig:
     # takes them in that order, ahead of the rest. Tells apart blocks that a
     # summary cannot (look-alike facts that differ in one token).
     rerank_blocks: int = 0
+    # Lexical selection (0 = off): every history block is also scored by BM25
+    # over token ids against the new tokens (`index.lexical`, a passage that
+    # shares the question's rare words), and the view ranks blocks by the
+    # index's reciprocal rank plus `lexical_weight` times the lexical score
+    # scaled to the best block's (1: the lexically best block gains what the
+    # index's best has; `index.lexical.fuse`).
+    lexical_weight: float = 0.0
     # Of a view's selected history blocks, the first this many in the order
     # the view chose them (best score first) are computed afresh inside the
     # view instead of restored (0 = restore all). Restored KV carries the
@@ -230,7 +237,7 @@ class SekvConfig:
     _SIZES = ("host_bytes", "nvme_bytes")
     _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec", "hash_secret", "remote_url",
                 "remote_prefix")
-    _FLOATS = ("anchor_alpha",)
+    _FLOATS = ("anchor_alpha", "lexical_weight")
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF,
                 "recompute_layout": RECOMPUTE_LAYOUTS}
@@ -277,8 +284,9 @@ class SekvConfig:
                 f"sekv config 'index_combine': expected mean, max or top<m> (e.g. top8), "
                 f"got {self.index_combine!r}"
             )
-        if not (math.isfinite(self.anchor_alpha) and self.anchor_alpha >= 0):
-            raise ValueError(f"sekv config 'anchor_alpha': expected a finite number >= 0, got {self.anchor_alpha}")
+        for key in ("anchor_alpha", "lexical_weight"):
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                raise ValueError(f"sekv config '{key}': expected a finite number >= 0, got {getattr(self, key)}")
         if not 0 <= self.anchor_percent <= 50:
             raise ValueError(f"sekv config 'anchor_percent': expected 0..50, got {self.anchor_percent}")
         if self.index_summary in SURPRISAL_SUMMARIES and self.surprisal != "on":

@@ -55,6 +55,7 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank": {"rerank_blocks": 1024},
     "views-q16": {"probe_query_tokens": 16},
     "views-rerank-ctx1": {"rerank_blocks": 1024, "view_context_blocks": 1},
+    "views-rerank-lex": {"rerank_blocks": 1024, "lexical_weight": 1.0},
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},
@@ -70,6 +71,7 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     # the same in virtual order: everything from the earliest of them on is recomputed
     "views-rerank-rc16-ord": ("views-rerank", {"recompute_blocks": 16, "recompute_layout": "in_order"}),
     "views-rerank-rcall-ord": ("views-rerank", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    "views-rerank-lex-rcall-ord": ("views-rerank-lex", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # each selected block with its neighbours (a fact cut by a block boundary stays whole), the best recomputed
     "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16, "recompute_layout": "after_recent"}),
     "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64, "recompute_layout": "after_recent"}),

@@ -62,13 +62,19 @@ def test_restore_under_async_scheduling_equals_plain_vllm(runs):
         assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == restorable
 
 
+def untimed(view: dict) -> dict:
+    return {k: v for k, v in view.items() if k != "pass_seconds"}
+
+
 def test_views_under_async_scheduling_equal_the_synchronous_scheduler(runs):
     sync, asyn = runs["views_sync"]["steps"], runs["views_async"]["steps"]
     for i, (s, a) in enumerate(zip(sync, asyn)):
         sv, av = s["kv_transfer_params"]["sekv"], a["kv_transfer_params"]["sekv"]
         assert "truncated" not in av["view"], f"step {i}: the workspace lost the history"
         assert sv["view"]["passes"]["final"] == 1 and "probe" in sv["view"]["passes"]
-        assert av["view"] == sv["view"], f"step {i}"  # passes, selected blocks
+        # passes, selected blocks: all but when each pass ran
+        assert untimed(av["view"]) == untimed(sv["view"]), f"step {i}"
+        assert [p[0] for p in av["view"]["pass_seconds"]] == [p[0] for p in sv["view"]["pass_seconds"]]
         assert av["restored_tokens"] == sv["restored_tokens"], f"step {i}"
         assert a["output_token_ids"] == s["output_token_ids"], f"step {i}"
     assert len(asyn) == 3

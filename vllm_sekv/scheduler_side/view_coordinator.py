@@ -33,6 +33,7 @@ from vllm_sekv.workspace.hashing import JoinedTokens
 from vllm_sekv.workspace.step_plan import LowRankBlock
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.segments import Segments, segment
+from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
 from vllm_sekv.workspace.view_passes import (
     PassKind, ViewBudget, ViewPass, final_pass, first_pass, truncated_pass,
@@ -204,7 +205,7 @@ class ViewCoordinator:
         segments = segment(surprisal, cfg.anchor_alpha) if surprisal is not None and len(surprisal) else None
         anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
-        view = final_pass(job.probe, job.scores.tolist(), budget, cfg.view_context_blocks, anchors,
+        view = final_pass(job.probe, self._selection_scores(job).tolist(), budget, cfg.view_context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
                           job.recompute_in_order)
         if coarse_room:
@@ -213,6 +214,16 @@ class ViewCoordinator:
         if cfg.restore_codec != "exact":
             job.lowrank = self._lowrank_blocks(view, segments, self._block_ranks(job, view))
         return view
+
+    def _selection_scores(self, job: ViewJob) -> np.ndarray:
+        """The probe's candidate scores, fused with their lexical scores
+        against the new tokens where `lexical_weight` is set."""
+        if not self.config.lexical_weight:
+            return job.scores
+        start = job.probe.tail_start
+        history = np.asarray(job.prompt[:start], dtype=np.int64)
+        scores = lexical.block_scores(history, job.prompt[start:], job.budget.block_tokens)
+        return lexical.fuse(job.scores, scores[list(job.probe.candidates)], self.config.lexical_weight)
 
     def _block_ranks(self, job: ViewJob, view: ViewPass) -> dict[int, int]:
         """Virtual block -> rank of the view's history blocks that a lossy

@@ -1,0 +1,58 @@
+"""Lexical block scores (BM25 over token ids) and their fusion with the index's ranking."""
+import numpy as np
+import pytest
+
+from vllm_sekv.index import lexical
+from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
+
+BT = 4
+
+
+def history_with(passage_at: int, num_blocks: int = 64, seed: int = 0) -> np.ndarray:
+    """Filler ids 100..109 (common words, in most blocks), a passage of rare
+    ids 900..907 in blocks passage_at and passage_at + 1."""
+    tokens = np.random.default_rng(seed).integers(100, 110, num_blocks * BT)
+    tokens[passage_at * BT : (passage_at + 2) * BT] = np.arange(900, 908)
+    return tokens
+
+
+def test_the_passage_with_the_querys_rare_terms_scores_highest_and_its_neighbours_share_it():
+    tokens = history_with(passage_at=20)
+    scores = lexical.block_scores(tokens, [901, 905, 105, 105], BT)
+    assert scores.shape == (64,)
+    best = np.argsort(-scores)[: lexical.WINDOW_BLOCKS]
+    assert {20, 21} <= set(best.tolist())  # both halves of the passage, among the windows holding it
+    far = [b for b in range(64) if abs(b - 20) > lexical.WINDOW_BLOCKS]
+    assert scores[20] > 3 * scores[far].max()  # a common term alone scores little
+
+
+def test_no_query_term_in_the_history_scores_zero_and_partial_blocks_are_left_out():
+    tokens = history_with(passage_at=5)
+    assert not lexical.block_scores(tokens, [1, 2, 3], BT).any()
+    assert lexical.block_scores(tokens[: 10 * BT + 3], [901], BT).shape == (10,)
+    assert lexical.block_scores(tokens[:3], [901], BT).shape == (0,)
+    assert not lexical.block_scores(tokens, [], BT).any()
+
+
+def test_fusion_keeps_the_index_order_without_lexical_evidence_and_promotes_with_it():
+    index = np.array([0.9, 0.8, 0.7, 0.1])
+    none = lexical.fuse(index, np.zeros(4), weight=1.0)
+    assert np.argsort(-none).tolist() == [0, 1, 2, 3]
+    promoted = lexical.fuse(index, np.array([0.0, 0.0, 0.0, 5.0]), weight=1.0)
+    assert np.argmax(promoted) == 3  # the index's worst, the only lexical match
+    assert np.argsort(-lexical.fuse(index, np.array([0.0, 0.0, 0.0, 5.0]), weight=0.0)).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        lexical.fuse(index, np.zeros(3), 1.0)
+
+
+def test_a_view_selected_by_fused_scores_holds_the_passage_the_index_ranked_last():
+    tokens = history_with(passage_at=30)
+    prompt = tokens.tolist() + [905, 105, 902]  # the new tokens ask about the passage
+    budget = ViewBudget(BT, 32 * BT, 2 * BT, 2 * BT)
+    probe = first_pass(len(prompt), 64, budget)
+    index = np.linspace(1.0, 0.0, len(probe.candidates))  # the index prefers early blocks; 30, 31 rank low
+    plain = final_pass(probe, index.tolist(), budget)
+    assert 30 not in plain.history_blocks
+    lex = lexical.block_scores(tokens, prompt[probe.tail_start:], BT)[list(probe.candidates)]
+    fused = final_pass(probe, lexical.fuse(index, lex, 1.0).tolist(), budget)
+    assert {30, 31} <= set(fused.history_blocks)

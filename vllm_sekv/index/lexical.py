@@ -1,0 +1,79 @@
+"""Lexical relevance of history blocks, and its fusion with the block index's.
+
+The block index ranks history blocks by the new tokens' attention to their
+keys; it finds what the model would look at, but can miss a passage that
+shares the question's rare words and little else (a paragraph of reference
+text among many alike). Text retrieval finds those. This module scores every
+history block with Okapi BM25 over token ids (no text, no tokenizer: a term is
+a token id, so subword pieces of a rare word are rare terms too), the new
+tokens as the query, and fuses it with the index's ranking (`fuse`).
+
+A block's lexical score is its own BM25 score plus that of the window of
+`WINDOW_BLOCKS` blocks centred on it: a passage scores as a whole (every
+block of it shares the window's score, its neighbours too), and within it
+the blocks that hold the query's terms come first. Document frequencies
+count blocks. Pure numpy, blocking, no vLLM imports; inputs are never
+modified.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+WINDOW_BLOCKS = 8  # blocks per scored window (256 tokens at 32-token blocks): a paragraph
+K1 = 1.2  # BM25 term-frequency saturation
+RRF_K = 60  # reciprocal-rank constant of `fuse` (as in reciprocal-rank fusion)
+
+
+def block_scores(history: np.ndarray, query: Sequence[int], block_tokens: int) -> np.ndarray:
+    """BM25 score of each whole block of `history` (token ids, virtual order)
+    against the token ids `query` (duplicates count once): the block's own
+    plus its window's (WINDOW_BLOCKS blocks around it). Returns float64
+    `[len(history) // block_tokens]`; 0 where no query term occurs nearby."""
+    num_blocks = len(history) // block_tokens
+    terms = np.unique(np.asarray(query, dtype=np.int64))
+    if num_blocks == 0 or len(terms) == 0:
+        return np.zeros(num_blocks)
+    tokens = np.asarray(history[: num_blocks * block_tokens], dtype=np.int64)
+    hit = np.flatnonzero(np.isin(tokens, terms))
+    counts = np.zeros((num_blocks, len(terms)))
+    np.add.at(counts, (hit // block_tokens, np.searchsorted(terms, tokens[hit])), 1.0)
+    df = (counts > 0).sum(axis=0)
+    idf = np.log1p((num_blocks - df + 0.5) / (df + 0.5))
+    # Window sums: rows [b - WINDOW_BLOCKS // 2, b + WINDOW_BLOCKS - WINDOW_BLOCKS // 2).
+    cumulative = np.vstack([np.zeros((1, len(terms))), np.cumsum(counts, axis=0)])
+    lo = np.clip(np.arange(num_blocks) - WINDOW_BLOCKS // 2, 0, num_blocks)
+    hi = np.clip(lo + WINDOW_BLOCKS, 0, num_blocks)
+    window = cumulative[hi] - cumulative[lo]
+    return _bm25(counts, idf) + _bm25(window, idf)
+
+
+def _bm25(tf: np.ndarray, idf: np.ndarray) -> np.ndarray:
+    """Σ over terms of idf x saturated term frequency (documents of about
+    equal length: no length normalisation)."""
+    return (idf * tf * (K1 + 1) / (tf + K1)).sum(axis=1)
+
+
+def _ranks(scores: np.ndarray) -> np.ndarray:
+    """0-based rank of each score, best first; ties go to the later index."""
+    order = np.lexsort((-np.arange(len(scores)), -scores))
+    ranks = np.empty(len(scores), dtype=np.int64)
+    ranks[order] = np.arange(len(scores))
+    return ranks
+
+
+def fuse(index_scores: Sequence[float], lexical_scores: Sequence[float], weight: float) -> np.ndarray:
+    """The index's reciprocal rank plus the lexical score scaled to the best
+    one's: `1 / (RRF_K + rank_index) + weight * lexical / max(lexical) / RRF_K`
+    per candidate. The lexically best block gains what the index's best one
+    has; a block that shares only common terms with the query (a score near
+    0) gains next to nothing, where a lexical *rank* would give it as much as
+    its place among the noise. Same length as the inputs; larger is better."""
+    index_scores = np.asarray(index_scores, dtype=np.float64)
+    lexical_scores = np.asarray(lexical_scores, dtype=np.float64)
+    if index_scores.shape != lexical_scores.shape:
+        raise ValueError(f"fuse: {index_scores.shape} index scores against {lexical_scores.shape} lexical ones")
+    fused = 1.0 / (RRF_K + _ranks(index_scores))
+    best = lexical_scores.max(initial=0.0)
+    return fused + (weight / RRF_K) * lexical_scores / best if best > 0 else fused
