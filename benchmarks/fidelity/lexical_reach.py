@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
+from report import read_trials  # noqa: E402
 from run import answer_blocks  # noqa: E402
 
 from vllm_sekv.index import lexical  # noqa: E402
@@ -59,11 +60,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    trials = {}
-    for path in args.runs:
-        for line in open(path):
-            r = json.loads(line)
-            trials[(r["family"], r["history_tokens"], r["seed"], r["question"], r["method"])] = r
+    trials = read_trials(args.runs)
     bt, corpora, rows = args.block_tokens, Corpora(), []
     for family in args.families.split(","):
         for seed in range(args.sessions):

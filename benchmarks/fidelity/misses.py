@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE.parent))
 import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
+from report import read_trials  # noqa: E402
 
 FACT = re.compile(r"special magic numbers for ([a-z]+-[a-z]+) is: (\d+)\.")
 TEXT_METHODS = ("rag", "oracle", "full")
@@ -69,12 +70,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    by_trial = {}
-    for path in args.runs:
-        for line in open(path):
-            r = json.loads(line)
-            by_trial[(r["family"], r["history_tokens"], r["seed"], r["question"], r["method"])] = r
-    rows = [r for r in by_trial.values() if r["family"] == "multikey"]
+    rows = [r for r in read_trials(args.runs).values() if r["family"] == "multikey"]
     corpora, sessions, cut = Corpora(), {}, {}
     for r in rows:
         sid = (r["history_tokens"], r["seed"])

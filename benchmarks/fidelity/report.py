@@ -32,6 +32,19 @@ import report_header as H  # noqa: E402
 ORDER = ("full", "sliding", "rag", "oracle", "views", "meank", "sekv")
 
 
+def read_trials(paths) -> dict[tuple, dict]:
+    """The trial lines of `paths`, keyed by (family, history tokens, seed,
+    question, method): a trial found in several files counts once, from the
+    last of them."""
+    by_trial = {}
+    for path in map(Path, paths):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                t = json.loads(line)
+                by_trial[(t["family"], t["history_tokens"], t["seed"], t["question"], t["method"])] = t
+    return by_trial
+
+
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of k successes in n trials."""
     if n == 0:
@@ -154,16 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trials", nargs="+")
     p.add_argument("--out-dir", default=str(H.results_dir("fidelity")))
     args = p.parse_args(argv)
-    by_trial, metas = {}, []
+    metas = []
     for path in map(Path, args.trials):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                t = json.loads(line)
-                by_trial[(t["family"], t["history_tokens"], t["seed"], t["question"], t["method"])] = t
         meta_path = path.with_suffix(".meta.json")
         if meta_path.exists():
             metas += json.loads(meta_path.read_text())
-    trials = list(by_trial.values())
+    trials = list(read_trials(args.trials).values())
     rows = cells(trials)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
