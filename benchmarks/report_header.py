@@ -62,14 +62,29 @@ def cpu() -> str:
 
 
 def machine() -> str:
+    """The GPUs (through torch when this process loaded it, else `nvidia-smi`) and the host."""
     torch = sys.modules.get("torch")
     try:
         if torch is not None and torch.cuda.is_available():
-            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-            return f"{torch.cuda.device_count()} x {', '.join(names)}; host {cpu()}"
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        else:
+            names = _nvidia_smi_names()
     except Exception:  # noqa: BLE001 - a broken CUDA set-up still gets a header
-        pass
+        names = []
+    if names:
+        return f"{len(names)} x {', '.join(sorted(set(names)))}; host {cpu()}"
     return f"{cpu()}, CPU only"
+
+
+def _nvidia_smi_names() -> list[str]:
+    """One name per GPU that `nvidia-smi` lists; none without it. For a
+    process that runs its engines in children and never loads torch."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
 def command(script: str | Path, argv: list[str] | None = None, prefix: str = "python") -> str:

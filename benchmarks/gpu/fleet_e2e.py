@@ -23,8 +23,13 @@ its history on every engine and is not counted): steps per second and
 generated tokens per second (from the first counted step's start to the last
 one's end), p50 / p99 time to first token, and the peak device memory
 (`nvidia-smi`, the whole device) and host memory (resident set of the
-engine's processes) sampled every half second. Writes OUT.json (every step
-of every session) and OUT.md, headed by machine, commit and command, and
+engine's processes) sampled every half second; and where the time went:
+the engine's own steps over that span (one sample per forward, through a
+vLLM stat logger), their mean length, the mean number of requests running
+and waiting, and the connector's figures summed (sekv: restored tokens,
+restore milliseconds, captured tokens). Each engine first serves one short
+request, so that no engine's timed steps pay its kernels' first
+compilation. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
 `summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
 "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
 "ttft_p99_s"}]}`.
@@ -66,11 +71,34 @@ def engine_main(spec: dict) -> None:
     elif spec["engine"] == "sekv":
         kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
                                         "kv_connector_extra_config": {"host_bytes": spec["host_bytes"]}}
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    samples: list[dict] = []
+
+    class EngineSamples(StatLoggerBase):
+        """One sample per engine step that produced outputs: when, how many
+        requests ran and waited, and the connector's own figures of the step."""
+
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, *args, **kwargs) -> None:
+            if scheduler_stats is None:
+                return
+            connector = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+            samples.append({"t": time.perf_counter(), "running": scheduler_stats.num_running_reqs,
+                            "waiting": scheduler_stats.num_waiting_reqs,
+                            "connector": {k: v for k, v in connector.items() if isinstance(v, (int, float))}})
+
+        def log_engine_initialized(self) -> None:
+            pass
+
     dummy = spec["load_format"] == "dummy"
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model_dir"], load_format=spec["load_format"], skip_tokenizer_init=dummy, enforce_eager=True,
         max_model_len=spec["max_model_len"], gpu_memory_utilization=spec["gpu_memory_utilization"],
-        num_gpu_blocks_override=spec["gpu_blocks"], enable_prefix_caching=True, seed=0, **kwargs))
+        num_gpu_blocks_override=spec["gpu_blocks"], enable_prefix_caching=True, seed=0, **kwargs),
+        stat_loggers=[EngineSamples])
     params = SamplingParams(max_tokens=spec["decode_tokens"], temperature=0.0, ignore_eos=True,
                             detokenize=not dummy)
     lo, hi = 1000, spec["vocab_size"] - 1000
@@ -95,14 +123,22 @@ def engine_main(spec: dict) -> None:
             history = prompt + generated
             await asyncio.sleep(rng.uniform(*spec["pause_s"]))
 
+    async def warm_up() -> None:
+        """One short request first, so that no engine's timed steps pay its kernels' first compilation."""
+        prompt = [lo + i for i in range(min(1024, spec["first_tokens"]))]
+        async for _ in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id="warm-up"):
+            pass
+
     async def fleet() -> None:
+        await warm_up()
+        samples.clear()
         await asyncio.gather(*(session(i) for i in range(spec["sessions"])))
 
     t0 = time.perf_counter()
     asyncio.run(fleet())
     print(f"[{spec['engine']}] {len(steps)} steps in {time.perf_counter() - t0:.1f} s", flush=True)
     engine.shutdown()
-    Path(spec["out"]).write_text(json.dumps(steps))
+    Path(spec["out"]).write_text(json.dumps({"steps": steps, "samples": samples}))
 
 
 class PeakMemory:
@@ -155,8 +191,8 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
     if rc != 0:
         print(f"engine {spec['engine']} failed: {rc}", flush=True)
         return None
-    steps = json.loads(Path(spec["out"]).read_text())
-    return summarize(spec, steps, memory)
+    measured = json.loads(Path(spec["out"]).read_text())
+    return summarize(spec, measured["steps"], measured["samples"], memory)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -164,10 +200,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def summarize(spec: dict, steps: list[dict], memory: PeakMemory) -> dict:
+def summarize(spec: dict, steps: list[dict], samples: list[dict], memory: PeakMemory) -> dict:
     counted = [s for s in steps if s["step"] > 0]
-    span = max(s["end_s"] for s in counted) - min(s["start_s"] for s in counted)
+    begin, end = min(s["start_s"] for s in counted), max(s["end_s"] for s in counted)
+    span = end - begin
     ttfts = [s["ttft_s"] for s in counted]
+    window = [x for x in samples if begin <= x["t"] <= end]
+    connector: dict[str, float] = {}
+    for x in window:
+        for k, v in x["connector"].items():
+            connector[k] = connector.get(k, 0) + v
     return {
         "engine": spec["engine"], "codec": "exact" if spec["engine"] == "sekv" else "-",
         "sessions": spec["sessions"], "steps_counted": len(counted),
@@ -177,6 +219,11 @@ def summarize(spec: dict, steps: list[dict], memory: PeakMemory) -> dict:
         "cached_share": round(sum(s["cached_tokens"] for s in counted) / sum(s["prompt_tokens"] for s in counted), 4),
         "gpu_peak_gib": None if memory.gpu_bytes is None else round(memory.gpu_bytes / 2**30, 2),
         "host_peak_gib": round(memory.host_bytes / 2**30, 2),
+        "engine_steps": len(window),
+        "engine_step_ms": round(1000 * span / len(window), 2) if window else None,
+        "running_mean": round(sum(x["running"] for x in window) / len(window), 2) if window else None,
+        "waiting_mean": round(sum(x["waiting"] for x in window) / len(window), 2) if window else None,
+        "connector": connector,
         "steps": steps,
     }
 
@@ -200,6 +247,17 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
         gpu = "-" if r["gpu_peak_gib"] is None else f"{r['gpu_peak_gib']:.1f}"
         lines.append(f"| {r['engine']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} s | "
                      f"{r['ttft_p99_s']:.3f} s | {r['cached_share']:.2f} | {gpu} | {r['host_peak_gib']:.1f} |")
+    lines += ["", "Where the time went, over the same span: the engine's steps (each a forward of the running "
+              "batch), their mean length, and how many requests ran and waited per step on average.", "",
+              "| engine | engine steps | ms per engine step | running | waiting |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("engine_steps"):
+            lines.append(f"| {r['engine']} | {r['engine_steps']} | {r['engine_step_ms']:.1f} | "
+                         f"{r['running_mean']:.2f} | {r['waiting_mean']:.2f} |")
+    figures = [f"- {r['engine']}: " + ", ".join(f"{k} {v:g}" for k, v in sorted(r["connector"].items()) if v)
+               for r in rows if any(r.get("connector", {}).values())]
+    if figures:
+        lines += ["", "The connectors' own figures over the span (summed over the engine's steps):", "", *figures]
     by = {r["engine"]: r for r in rows}
     if "sekv" in by and "native" in by:
         s, n = by["sekv"], by["native"]
