@@ -10,6 +10,28 @@ mutates only the slots it is given. Allocation reserves virtual memory only
 (pages are touched as slots fill), except with `pin_memory` (CUDA), where the
 whole tier is page-locked at start-up (`cudart.register_host`). The tensor is
 page-aligned so that NVMe reads can land in a slot directly.
+
+Codec (`workspace_codec`, `store.fp8`): "exact" stores K/V in the model dtype
+(`dtype`), bit for bit. "fp8" stores `data` as float8 e4m3 (same 6-d shape)
+plus `scales [num_slots, 2, num_layers, kv_heads]` float32 (pinned with the
+pool), one per (slot, K or V, layer, KV head), so a slot takes about half the
+bytes (`bytes_per_block` counts both tensors). Writers hand full-precision
+rows; readers (`read_rows*`, `slot_keys_on`, `block_keys`,
+`dequantized_slots`) get them back in `dtype`. Whoever moves raw slot bytes
+(`data`; restores, NVMe records) must move `scales` of the same slots too.
+
+fp8 writes of part of a slot (capture steps, row by row): a slot's scale must
+cover every row it holds, so a write re-reads the slot's stored rows of the
+layers it writes, puts the new rows among them and requantizes the whole
+slot-layer at the new amax (rows stored before are rounded again only when
+the scale changes; each rounding's error is bounded, `store.fp8`). A write
+that includes a slot's first row (offset 0) starts the slot afresh: its other
+rows are treated as empty (zero) and must be written after it, as captures
+do (a block's tokens come in order). A slot given non-finite K/V is failed:
+its scales become NaN (any read of it is NaN, never plausible KV) and it is
+reported by `take_failed_slots()`; the capture then fails it (a miss,
+recomputed). Later partial writes keep it NaN (and failed) until its first
+row is written again.
 """
 from __future__ import annotations
 
@@ -20,6 +42,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
+from vllm_sekv.store.fp8 import CODECS, FP8_DTYPE, dequantize, quantize
 from vllm_sekv.store.slot_runs import runs
 
 PAGE_BYTES = 4096
@@ -45,23 +68,41 @@ class HostPool:
         head_dim: int,
         dtype: torch.dtype,
         pin_memory: bool = False,
+        codec: str = "exact",
     ) -> None:
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         self.block_tokens = block_tokens
+        self.codec = codec
+        self.dtype = dtype  # what writers give and readers get back
+        self.failed: set[int] = set()  # fp8: slots given non-finite K/V
+        # fp8: slots a write has started (its first row, or the whole slot);
+        # the other rows of a slot not started are empty, whatever its bytes.
+        self._started = np.zeros(num_slots if codec == "fp8" else 0, dtype=bool)
+        storage = FP8_DTYPE if codec == "fp8" else dtype
         shape = (num_slots, 2, num_layers, block_tokens, kv_heads, head_dim)
+        self.data = self._alloc(shape, storage, pin_memory)
+        self.scales: torch.Tensor | None = None
+        if codec == "fp8":
+            self.scales = self._alloc((num_slots, 2, num_layers, kv_heads), torch.float32, pin_memory)
+            self.scales.fill_(1.0)
+        self.pinned = bool(pin_memory and self.data.numel())  # page-locked: the copy engine reads it directly
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
         # Page-aligned, so that slots can be the target of O_DIRECT reads.
         itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = itemsize * num_slots * 2 * num_layers * block_tokens * kv_heads * head_dim
+        nbytes = itemsize * int(np.prod(shape))
         raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
         offset = -raw.data_ptr() % PAGE_BYTES
-        self.data = raw[offset : offset + nbytes].view(dtype).view(shape)
-        self.pinned = bool(pin_memory and nbytes)  # page-locked: the copy engine reads it directly
-        if self.pinned:
+        out = raw[offset : offset + nbytes].view(dtype).view(shape)
+        if pin_memory and nbytes:
             # Pinned at exactly its size (torch's pinned allocator would round
             # it up to a power of two). Touching every page first spreads the
             # page faults over torch's threads; registering then only locks.
             raw.zero_()
-            cudart.register_host(self.data.data_ptr(), nbytes)
-            weakref.finalize(self, _unpin, self.data.data_ptr())
+            cudart.register_host(out.data_ptr(), nbytes)
+            weakref.finalize(self, _unpin, out.data_ptr())
+        return out
 
     @property
     def num_slots(self) -> int:
@@ -69,14 +110,27 @@ class HostPool:
 
     @property
     def block_bytes(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        """Host bytes of one slot: its K/V, and its scales under fp8."""
+        n = self.data[0].numel() * self.data.element_size()
+        if self.scales is not None:
+            n += self.scales[0].numel() * self.scales.element_size()
+        return n
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, block_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+        codec: str = "exact",
     ) -> int:
+        if codec == "fp8":
+            return 2 * num_layers * kv_heads * (block_tokens * head_dim + 4)
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_tokens * kv_heads * head_dim * itemsize
+
+    def take_failed_slots(self) -> set[int]:
+        """fp8: slots written with non-finite K/V since the last call (they
+        must not be committed)."""
+        failed, self.failed = self.failed, set()
+        return failed
 
     def write_rows(
         self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -87,6 +141,9 @@ class HostPool:
         computed once for all layers) lets whole slots in a row be written as
         slices (one memcpy each) instead of row by row."""
         runs = runs if runs is not None else self.slot_runs(rows)
+        if self.scales is not None:
+            self._write_fp8(rows, torch.stack([key, value], dim=1).unsqueeze(2), runs, layer)
+            return
         for begin, first_slot, count in runs.whole:
             end = begin + count * self.block_tokens
             shape = (count, self.block_tokens, *key.shape[1:])
@@ -104,6 +161,9 @@ class HostPool:
         `rows[n]`: `write_rows` for all layers in one copy per run of whole
         slots and one for the other rows."""
         runs = runs if runs is not None else self.slot_runs(rows)
+        if self.scales is not None:
+            self._write_fp8(rows, kv.permute(2, 0, 1, 3, 4), runs, None)
+            return
         bt = self.block_tokens
         for begin, first_slot, count in runs.whole:
             part = kv[:, :, begin : begin + count * bt]  # [2, L, count * bt, H, D]
@@ -114,6 +174,41 @@ class HostPool:
             slots, offsets = rows[rest] // bt, rows[rest] % bt
             # advanced indices around two slices: the indexed view is [n, 2, L, H, D]
             self.data[slots, :, :, offsets] = kv[:, :, rest].permute(2, 0, 1, 3, 4).to(self.data.dtype)
+
+    def _write_fp8(self, rows: torch.Tensor, kv: torch.Tensor, runs: "SlotRuns", layer: int | None) -> None:
+        """fp8: store `kv [n, 2, L', kv_heads, head_dim]` (L' = every layer,
+        or 1 for `layer`) at `rows`: whole slots quantized as they are, the
+        other rows merged into their slots' stored rows and the slot-layers
+        requantized (see the module doc)."""
+        bt = self.block_tokens
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        for begin, first_slot, count in runs.whole:
+            part = kv[begin : begin + count * bt]  # [count * bt, 2, L', H, D]
+            part = part.reshape(count, bt, *part.shape[1:]).permute(0, 2, 3, 1, 4, 5)  # [count, 2, L', bt, H, D]
+            self._store_slots(torch.arange(first_slot, first_slot + count), layers, part)
+        rest = runs.rest
+        if not len(rest):
+            return
+        slot_of, offsets = rows[rest] // bt, rows[rest] % bt
+        slots, where = torch.unique(slot_of, return_inverse=True)
+        current = dequantize(self.data[:, :, layers][slots], self.scales[:, :, layers][slots], token_dim=3)
+        fresh = ~torch.from_numpy(self._started[slots.numpy()])
+        fresh[where[offsets == 0]] = True
+        current[fresh] = 0.0  # a slot's first row starts it: its other rows are not its block's yet
+        current[where, :, :, offsets] = kv[rest].to(torch.float32)
+        self._store_slots(slots, layers, current)
+
+    def _store_slots(self, slots: torch.Tensor, layers: slice, block: torch.Tensor) -> None:
+        """Quantize `block [m, 2, L', bt, H, D]` (full precision) into
+        `slots` at `layers`; slots with non-finite values are failed."""
+        q, scale, finite = quantize(block, token_dim=3)
+        bad = ~finite.reshape(len(slots), -1).all(dim=1)
+        if bool(bad.any()):
+            self.failed.update(slots[bad].tolist())
+        self.data[slots, :, layers] = q
+        self.scales[slots, :, layers] = scale
+        self._started[slots.numpy()] = True
 
     def slot_runs(self, rows: torch.Tensor) -> "SlotRuns":
         """Split `rows` into runs of whole consecutive slots, each given in
@@ -134,36 +229,64 @@ class HostPool:
         return SlotRuns(whole, rest_idx)
 
     def read_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V `[n, kv_heads, head_dim]` of one layer at flat token rows."""
+        """K/V `[n, kv_heads, head_dim]` of one layer at flat token rows (in `dtype`)."""
         slots, offsets = rows // self.block_tokens, rows % self.block_tokens
-        return self.data[slots, 0, layer, offsets], self.data[slots, 1, layer, offsets]
+        k, v = self.data[slots, 0, layer, offsets], self.data[slots, 1, layer, offsets]
+        if self.scales is None:
+            return k, v
+        s = self.scales[slots, :, layer]  # [n, 2, H]
+        return (dequantize(k, s[:, 0], token_dim=0, dtype=self.dtype),
+                dequantize(v, s[:, 1], token_dim=0, dtype=self.dtype))
 
     def read_rows_all_layers(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V `[n, num_layers, kv_heads, head_dim]` of every layer at flat token rows."""
+        """K/V `[n, num_layers, kv_heads, head_dim]` of every layer at flat token rows (in `dtype`)."""
         slots, offsets = rows // self.block_tokens, rows % self.block_tokens
-        return self.data[slots, 0, :, offsets], self.data[slots, 1, :, offsets]
+        k, v = self.data[slots, 0, :, offsets], self.data[slots, 1, :, offsets]
+        if self.scales is None:
+            return k, v
+        s = self.scales[slots]  # [n, 2, L, H]
+        # [n, L, H, D] with [n, L, H] scales: a "token" dim of size one per row
+        return (dequantize(k.unsqueeze(2), s[:, 0], token_dim=2, dtype=self.dtype).squeeze(2),
+                dequantize(v.unsqueeze(2), s[:, 1], token_dim=2, dtype=self.dtype).squeeze(2))
+
+    def dequantized_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Whole slots `[n, 2, num_layers, block_tokens, kv_heads, head_dim]` in `dtype` (a copy)."""
+        slots = torch.as_tensor(slots, dtype=torch.int64)
+        if self.scales is None:
+            return self.data[slots]
+        return dequantize(self.data[slots], self.scales[slots], token_dim=3, dtype=self.dtype)
 
     def slot_keys_on(self, slots: list[int], device: torch.device) -> torch.Tensor:
         """Keys of whole slots, `[n, num_layers, block_tokens, kv_heads,
-        head_dim]`, on `device`. From the pinned pool to CUDA: pitched copies
+        head_dim]` in `dtype`, on `device`. From the pinned pool to CUDA: pitched copies
         on the current stream, one per run of consecutive slots, and the host
         never waits (the caller orders that stream after any capture still
-        being copied into these slots, `CaptureWriter.order`). Elsewhere a
-        host gather, then a copy."""
+        being copied into these slots, `CaptureWriter.order`); fp8 keys move
+        as fp8 with their scales and are dequantized there. Elsewhere a
+        host gather (dequantized on the host), then a copy."""
+        index = torch.tensor(slots, dtype=torch.int64)
         if device.type != "cuda" or not self.pinned:
-            return self.data[torch.tensor(slots, dtype=torch.int64), 0].to(device)
+            if self.scales is None:
+                return self.data[index, 0].to(device)
+            return dequantize(self.data[index, 0], self.scales[index, 0], token_dim=2, dtype=self.dtype).to(device)
         out = torch.empty((len(slots), *self.data.shape[2:]), dtype=self.data.dtype, device=device)
         key_bytes = out[0].numel() * out.element_size()
-        slot_bytes = self.block_bytes
+        slot_bytes = self.data[0].numel() * self.data.element_size()
         stream = torch.cuda.current_stream(device)
         for at, first, n in runs(slots):
             cudart.copy2d_async(out[at].data_ptr(), key_bytes, self.data[first, 0].data_ptr(), slot_bytes,
                                 key_bytes, n, stream)
-        return out
+        if self.scales is None:
+            return out
+        scales = to_device(self.scales[index, 0], device)
+        return dequantize(out, scales, token_dim=2, dtype=self.dtype)
 
     def block_keys(self, slot: int) -> torch.Tensor:
-        """All keys of one slot, `[num_layers, block_tokens, kv_heads, head_dim]` (a view)."""
-        return self.data[slot, 0]
+        """All keys of one slot, `[num_layers, block_tokens, kv_heads, head_dim]`
+        (a view; under fp8 a dequantized copy)."""
+        if self.scales is None:
+            return self.data[slot, 0]
+        return dequantize(self.data[slot, 0], self.scales[slot, 0], token_dim=1, dtype=self.dtype)
 
 
 def _unpin(ptr: int) -> None:
