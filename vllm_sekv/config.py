@@ -80,6 +80,7 @@ INDEX_SUMMARIES = (
     "sub4_post", "sub8_post", "mean_post", "minmax_post", *SURPRISAL_SUMMARIES,
 )
 ON_OFF = ("off", "on")
+WORKSPACE_CODECS = ("exact", "fp8")
 # `restore_codec` value: each block at the rank its zoom-router tier gives it.
 ROUTER_CODEC = "router"
 _COMBINE_RE = re.compile(r"^(mean|max|top[1-9][0-9]*)$")
@@ -233,6 +234,17 @@ class SekvConfig:
     # or "router" (needs `router_path`): each selected block at the rank the
     # zoom router's tier gives it (its `rank_levels`, e.g. 8, 16 or exact).
     restore_codec: str = "exact"
+    # How the host tier keeps K/V: "exact" (the model dtype, bit for bit) or
+    # "fp8": float8 e4m3 with one float32 scale per block, K or V, layer and
+    # KV head (`store.fp8`). Halves the host bytes per token (the same
+    # `host_bytes` holds about twice the blocks), the bytes of a restore's
+    # host->device copy and of an NVMe record; lossy (each element within
+    # 2**-4 of itself, or 2**-10 of its group's amax / 448 when tiny).
+    # Records and the NVMe folder carry the codec: another codec's blocks are
+    # misses. Not with `remote_url`, a lossy `restore_codec`, or a paged
+    # cache that is already fp8 (`--kv-cache-dtype fp8`, refused when the
+    # model is known).
+    workspace_codec: str = "exact"
 
     _SIZES = ("host_bytes", "nvme_bytes")
     _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec", "hash_secret", "remote_url",
@@ -240,7 +252,7 @@ class SekvConfig:
     _FLOATS = ("anchor_alpha", "lexical_weight")
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF,
-                "recompute_layout": RECOMPUTE_LAYOUTS}
+                "recompute_layout": RECOMPUTE_LAYOUTS, "workspace_codec": WORKSPACE_CODECS}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens
@@ -314,6 +326,14 @@ class SekvConfig:
                 parse_codec(self.restore_codec)
             except ValueError as e:
                 raise ValueError(f"sekv config 'restore_codec': {e} (or 'router')") from None
+        if self.workspace_codec == "fp8":
+            if self.remote_url:
+                raise ValueError("sekv config 'workspace_codec': fp8 is not supported with 'remote_url' "
+                                 "(the remote tier stores exact blocks); use workspace_codec exact or "
+                                 "no remote_url")
+            if self.restore_codec != "exact":
+                raise ValueError("sekv config 'workspace_codec': fp8 cannot be combined with a lossy "
+                                 f"'restore_codec' ({self.restore_codec!r}); use restore_codec exact")
         if self.remote_url:
             from vllm_sekv.store.remote import check_url
 

@@ -99,16 +99,19 @@ def router_geometry(vllm_config: "VllmConfig") -> Any:
         name=str(mc.model),
     )
 
-def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int) -> dict[str, Any]:
+def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int,
+                      workspace_codec: str = "exact") -> dict[str, Any]:
     """What must match for stored KV to be valid for this server: the model
     (path or name, its config and its weights, `weights_digest`), KV dtype
-    and geometry, block size, ranks, and the record format."""
+    and geometry, block size, ranks, the record format, and the workspace
+    codec (`workspace_codec`; named only when not exact, so exact
+    fingerprints are unchanged): fp8 blocks are another server's KV."""
     from vllm_sekv.store.records import FORMAT_VERSION
 
     mc = vllm_config.model_config
     geo = kv_geometry(vllm_config)
     load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
-    return {
+    fingerprint = {
         "model": str(mc.model),
         "hf_config_sha": hashlib.sha256(mc.hf_config.to_json_string().encode()).hexdigest()[:16],
         "weights": weights_digest(str(mc.model), load_format),
@@ -120,6 +123,9 @@ def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int) -> dict[str,
         "block_tokens": block_tokens,
         "record_format": FORMAT_VERSION,
     }
+    if workspace_codec != "exact":
+        fingerprint["workspace_codec"] = workspace_codec
+    return fingerprint
 
 def weights_digest(model: str, load_format: str = "auto", samples: int = 16, sample_bytes: int = 1 << 16) -> str:
     """A digest of a local model folder's weight files: per file its name,

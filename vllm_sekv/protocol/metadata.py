@@ -18,7 +18,7 @@ from vllm_sekv import model_identity
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.store import HostPool
 from vllm_sekv.store.nvme import NvmeLayout, folder_name
-from vllm_sekv.store.records import RecordLayout, fingerprint_digest
+from vllm_sekv.store.records import RecordLayout, codec_code, fingerprint_digest
 from vllm_sekv.workspace.step_plan import StepPlan
 
 
@@ -90,10 +90,22 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
         )
 
 
+def check_workspace_codec(config: SekvConfig, vllm_config: Any) -> None:
+    """`workspace_codec` fp8 against the served model: a paged cache that is
+    already fp8 (`--kv-cache-dtype fp8*`) would quantize twice (host fp8,
+    then the cache's own): refused, naming the key."""
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    if config.workspace_codec == "fp8" and cache_dtype.startswith("fp8"):
+        raise ValueError(f"sekv config 'workspace_codec': fp8 with an fp8 paged cache (--kv-cache-dtype "
+                         f"{cache_dtype}) would quantize K/V twice; use workspace_codec exact")
+
+
 def block_bytes_per_rank(config: SekvConfig, vllm_config: Any) -> int:
+    """Host bytes of one block on one rank, under the configured `workspace_codec`."""
+    check_workspace_codec(config, vllm_config)
     geo = model_identity.kv_geometry(vllm_config)
     return HostPool.bytes_per_block(
-        geo.num_layers, config.block_tokens, geo.kv_heads, geo.head_dim, geo.dtype
+        geo.num_layers, config.block_tokens, geo.kv_heads, geo.head_dim, geo.dtype, config.workspace_codec
     )
 
 
@@ -110,13 +122,14 @@ def host_slots(config: SekvConfig, vllm_config: Any) -> tuple[int, int]:
 
 
 def nvme_layout(config: SekvConfig, vllm_config: Any) -> NvmeLayout:
-    fingerprint = model_identity.model_fingerprint(vllm_config, config.block_tokens)
+    fingerprint = model_identity.model_fingerprint(vllm_config, config.block_tokens, config.workspace_codec)
     return NvmeLayout(config.nvme_dir, folder_name(fingerprint))
 
 
 def record_layout(config: SekvConfig, vllm_config: Any, rank: int) -> RecordLayout:
     """What every NVMe record of this model and `rank` must say about itself."""
     geo = model_identity.kv_geometry(vllm_config)
-    return RecordLayout(fingerprint_digest(model_identity.model_fingerprint(vllm_config, config.block_tokens)),
-                        config.block_tokens, geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype, rank,
-                        block_bytes_per_rank(config, vllm_config))
+    fingerprint = model_identity.model_fingerprint(vllm_config, config.block_tokens, config.workspace_codec)
+    return RecordLayout(fingerprint_digest(fingerprint), config.block_tokens, geo.num_layers, geo.kv_heads,
+                        geo.head_dim, geo.dtype, rank, block_bytes_per_rank(config, vllm_config),
+                        codec_code(config.workspace_codec))

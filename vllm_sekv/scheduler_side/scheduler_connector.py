@@ -44,7 +44,8 @@ class SekvSchedulerSide:
         self.nvme: NvmeLayout | None = None
         self._lock: DirLock | None = None
         self._manifest: ManifestWriter | None = None
-        self._fingerprint = model_identity.model_fingerprint(vllm_config, config.block_tokens)
+        self._fingerprint = model_identity.model_fingerprint(vllm_config, config.block_tokens,
+                                                                config.workspace_codec)
         self._engine_id = head_start.engine_id(vllm_config)
         num_records, found = 0, []
         try:

@@ -33,8 +33,11 @@ positions and stores the buffer at the capture's host rows:
   calls `reap()`, which never waits: under asynchronous scheduling the next
   step starts while this one's forward still runs, and waiting there would
   undo the overlap.
-* Elsewhere: synchronously, through a host copy of the buffer
-  (`HostPool.write_rows_all_layers`).
+* Elsewhere, and on any device with an fp8 pool (`workspace_codec` fp8):
+  synchronously, through a host copy of the buffer in the model dtype
+  (`HostPool.write_rows_all_layers` quantizes on the host). On CUDA that
+  copy waits for the forward: fp8 captures do not yet move fp8 bytes
+  device->host nor overlap the next step.
 
 A capture that did not see every layer is never written: `write` returns
 False and the caller fails its slots (never store a partial block).
@@ -118,7 +121,10 @@ class CaptureWriter:
     def __init__(self, pool: HostPool, device: torch.device) -> None:
         self.pool = pool
         self.stream: torch.cuda.Stream | None = None
-        if device.type == "cuda" and cudart.available() and cudart.is_page_locked(pool.data):
+        # An fp8 pool is written on the host (quantized there, partial slots
+        # requantized with their stored rows): the synchronous path.
+        if (device.type == "cuda" and pool.scales is None and cudart.available()
+                and cudart.is_page_locked(pool.data)):
             self.stream = torch.cuda.Stream(device)
         self._pending: list[tuple[torch.cuda.Event, StepCapture]] = []
 

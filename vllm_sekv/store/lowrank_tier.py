@@ -103,7 +103,7 @@ class LowRankTier:
 
     def encode_block(self, pool: HostPool, slot: int, start_token: int,
                      pieces: Sequence[tuple[int, int]] | None = None) -> None:
-        """Encode `pool.data[slot]` (all layers), whose keys sit at virtual positions
+        """Encode slot `slot` of the pool (all layers; an fp8 pool's dequantized), whose keys sit at virtual positions
         `start_token + offset`, piece by piece; replaces any earlier encoding of `slot`.
 
         pieces: `[lo, hi)` token offsets inside the block, in order, covering
@@ -118,7 +118,7 @@ class LowRankTier:
             raise ValueError(f"start_token must be >= 0, got {start_token}")
         checked = self._check_pieces(pieces)
 
-        block = pool.data[slot]                                      # [2, L, T, H, D]
+        block = pool.data[slot] if pool.scales is None else pool.dequantized_slots([slot])[0]  # [2, L, T, H, D]
         keys_pre = self._derotate(block[0], start_token)             # [L, T, H, D] pool dtype, new
         values = block[1]                                            # [L, T, H, D] view of the pool
         encoded: list[tuple[Encoded, ...]] = []
@@ -242,7 +242,7 @@ class LowRankTier:
         if pool.block_tokens != self.block_tokens:
             raise ValueError(f"pool has block_tokens {pool.block_tokens}, the tier {self.block_tokens}")
         _, _, num_layers, _, kv_heads, head_dim = pool.data.shape
-        layout = _Layout(num_layers, kv_heads, head_dim, pool.data.dtype)
+        layout = _Layout(num_layers, kv_heads, head_dim, pool.dtype)
         if self._layout is not None and layout != self._layout:
             raise ValueError(f"pool layout {layout} differs from the tier's {self._layout}")
         return layout

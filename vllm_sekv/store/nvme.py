@@ -48,7 +48,7 @@ import torch
 
 from vllm_sekv.store.io_jobs import IoJobs
 from vllm_sekv.store.records import (
-    HEADER_BYTES, RecordError, RecordLayout, checksum_kind, pack_header, record_bytes, unpack_header,
+    CODEC_FP8, HEADER_BYTES, RecordError, RecordLayout, checksum_kind, pack_header, record_bytes, unpack_header,
     unpack_surprisal, verify,
 )
 
@@ -231,9 +231,12 @@ class RecordIO:
     """
 
     def __init__(self, layout: NvmeLayout, pool_data: torch.Tensor, record_layout: RecordLayout, threads: int,
-                 sync: bool = True) -> None:
+                 sync: bool = True, pool_scales: torch.Tensor | None = None) -> None:
         self.layout = layout
         self.pool = pool_data
+        self.scales = pool_scales  # an fp8 pool's scales: after the slot's bytes in the payload
+        if (pool_scales is not None) != (record_layout.codec == CODEC_FP8):
+            raise ValueError("an fp8 record layout goes with an fp8 pool's scales, and only with them")
         self.record_layout = record_layout
         self.rank = record_layout.rank
         self.payload_bytes = record_layout.payload_bytes
@@ -244,6 +247,7 @@ class RecordIO:
         self.o_direct = supports_o_direct(layout.tmp)
         self._zero_copy = (
             self.payload_bytes % ALIGN_BYTES == 0
+            and pool_scales is None
             and pool_data.data_ptr() % ALIGN_BYTES == 0
             and pool_data.is_contiguous()
         )
@@ -284,6 +288,15 @@ class RecordIO:
     def _slot_bytes(self, host_slot: int) -> memoryview:
         return memoryview(self.pool[host_slot].view(torch.uint8).reshape(-1).numpy())
 
+    def _scale_bytes(self, host_slot: int) -> memoryview:
+        return memoryview(self.scales[host_slot].view(torch.uint8).reshape(-1).numpy())
+
+    def _payload(self, host_slot: int) -> memoryview:
+        """The record's payload of a slot: its bytes (no copy), then an fp8 pool's scales (one copy)."""
+        if self.scales is None:
+            return self._slot_bytes(host_slot)
+        return memoryview(bytes(self._slot_bytes(host_slot)) + bytes(self._scale_bytes(host_slot)))
+
     def _buffers(self) -> tuple[mmap.mmap, mmap.mmap | None]:
         """This thread's page-aligned header buffer and (if needed) bounce buffer."""
         local = self._local
@@ -300,7 +313,7 @@ class RecordIO:
         tmp = self.layout.tmp / f"{block_hash.hex()}.r{self.rank}.{os.getpid()}.tmp"
         final = self.layout.block_path(block_hash, self.rank)
         try:
-            payload = self._slot_bytes(host_slot)
+            payload = self._payload(host_slot)
             header, bounce = self._buffers()
             header[:] = pack_header(block_hash, tenant, start_token, self.record_layout, payload,
                                     self.checksum_kind, surprisal)
@@ -349,6 +362,13 @@ class RecordIO:
             head = unpack_header(header, self.record_layout)
             if (head.block_hash, head.tenant, head.start_token) != (block_hash, tenant, start_token):
                 raise RecordError("the record is another block's")
+            if self.scales is not None:
+                body = memoryview(bounce)[: self.payload_bytes]
+                verify(head, body)
+                slot[:] = body[: len(slot)]
+                self._scale_bytes(host_slot)[:] = body[len(slot):]
+                return Completion("read", block_hash, True, host_slot, start_token,
+                                  surprisal=unpack_surprisal(header))
             if bounce is not None:
                 slot[:] = memoryview(bounce)[: self.payload_bytes]
             verify(head, slot)

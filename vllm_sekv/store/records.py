@@ -6,6 +6,11 @@ Header (little-endian), then zeros to 4 KiB:
     block hash (16 B), tenant key (16 B), model fingerprint digest (32 B)
     start token (its virtual position), block tokens, layers, KV heads,
     head dim, dtype code, codec code, rank, payload bytes
+
+Codec: `CODEC_EXACT` (the slot's bytes in the model dtype) or `CODEC_FP8`
+(`workspace_codec` fp8: the slot's e4m3 bytes, then its float32 scales). A
+reader of another codec rejects the header ("another layout, codec or
+rank"): fp8 blocks are never read as exact ones, nor the reverse.
     checksum kind, checksum         over the identity above and the payload
     header CRC32                    over every byte before it
     surprisal count, its CRC32, float32 values (SeKV; optional metadata)
@@ -49,6 +54,15 @@ CHECKSUM_CRC32, CHECKSUM_XXH3 = 1, 2
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4,
                torch.float8_e5m2: 5, torch.uint8: 6}
 CODEC_EXACT = 0
+# `workspace_codec` fp8: the payload is the slot's float8 e4m3 K/V, then its
+# float32 scales `[2, layers, kv_heads]` (`store.fp8`); dtype is the model's.
+CODEC_FP8 = 1
+_CODEC_CODES = {"exact": CODEC_EXACT, "fp8": CODEC_FP8}
+
+
+def codec_code(workspace_codec: str) -> int:
+    """The header's codec code of a `workspace_codec`."""
+    return _CODEC_CODES[workspace_codec]
 
 
 class RecordError(ValueError):
@@ -79,11 +93,17 @@ class RecordLayout:
     codec: int = CODEC_EXACT
 
     @classmethod
-    def of_pool(cls, fingerprint: bytes, pool_data: torch.Tensor, rank: int) -> "RecordLayout":
-        """The layout of a host pool's slots (`[slots, 2, layers, tokens, heads, dim]`)."""
+    def of_pool(cls, fingerprint: bytes, pool_data: torch.Tensor, rank: int,
+                pool_scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> "RecordLayout":
+        """The layout of a host pool's slots (`[slots, 2, layers, tokens, heads, dim]`);
+        with `pool_scales` (an fp8 pool's, `HostPool.scales`) an fp8 record
+        of model dtype `dtype`."""
         _, _, layers, tokens, heads, dim = pool_data.shape
-        return cls(fingerprint, tokens, layers, heads, dim, pool_data.dtype, rank,
-                   pool_data[0].numel() * pool_data.element_size())
+        payload = pool_data[0].numel() * pool_data.element_size()
+        if pool_scales is None:
+            return cls(fingerprint, tokens, layers, heads, dim, pool_data.dtype, rank, payload)
+        payload += pool_scales[0].numel() * pool_scales.element_size()
+        return cls(fingerprint, tokens, layers, heads, dim, dtype, rank, payload, CODEC_FP8)
 
 
 @dataclass(frozen=True)

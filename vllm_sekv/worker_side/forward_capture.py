@@ -11,7 +11,8 @@ Two ways to read them, chosen per step:
   layer's K/V, the planned batch rows are kept on the device (`StepCapture`).
 
 A planned row that cannot be captured fails its host slot: the block is never
-committed (a miss, recomputed), never stale KV. Runs on the forward thread.
+committed (a miss, recomputed), never stale KV. Under `workspace_codec` fp8
+so does a slot whose K/V is not finite (`HostPool.take_failed_slots`). Runs on the forward thread.
 """
 from __future__ import annotations
 
@@ -138,9 +139,15 @@ class ForwardCapture:
                 logger.warning("sekv: the paged KV cache does not read back what the attention layer wrote "
                                "(an unexpected layout); capturing through the attention hook from now on")
                 self.cache_views = None
-        if capture is None or self.writer.write(capture, self.rope):
+        if capture is None:
             return
-        self.fail_rows(capture.host_rows, "a layer's K/V never reached the capture")
+        if not self.writer.write(capture, self.rope):
+            self.fail_rows(capture.host_rows, "a layer's K/V never reached the capture")
+            return
+        bad = self.pool.take_failed_slots()  # fp8: slots given non-finite K/V are never committed
+        if bad:
+            self.failed_slots |= bad
+            self.count_dropped(len(bad), "non-finite K/V cannot be stored as fp8")
 
     def fail_rows(self, host_rows: np.ndarray, why: str) -> None:
         """Fail the host slots of `host_rows` in this step's report: their
@@ -165,4 +172,4 @@ class ForwardCapture:
         self.stats.add("captured_tokens", len(host_rows))
         geo = self.geometry
         return StepCapture(rows, host_rows, deltas, geo.num_layers, geo.kv_heads, geo.head_dim,
-                           self.pool.data.dtype, paged)
+                           self.pool.dtype, paged)

@@ -110,7 +110,7 @@ class HostRestores:
                 tier.encode_block(self.pool, slot, int(virtual[i] - op.host_rows[i] % bt), block.pieces)
         device = next(iter(self.kv_caches.values())).device
         geo = self.geometry
-        keys = torch.empty((geo.num_layers, n, geo.kv_heads, geo.head_dim), dtype=self.pool.data.dtype, device=device)
+        keys = torch.empty((geo.num_layers, n, geo.kv_heads, geo.head_dim), dtype=self.pool.dtype, device=device)
         values = torch.empty_like(keys)
         exact = np.nonzero(~lossy)[0]
         moved = len(exact) * (self.pool.block_bytes // bt)

@@ -44,10 +44,11 @@ class TierTransfers:
         self.block_tokens = block_tokens
 
     @classmethod
-    def open(cls, config: SekvConfig, vllm_config: Any, pool: Any) -> "TierTransfers":
+    def open(cls, config: SekvConfig, vllm_config: Any, pool: Any, scales: Any = None) -> "TierTransfers":
         """The configured tiers' I/O over the host pool `pool` (`[slots, ...]`)
-        of this worker's rank; a folder it cannot use fails start-up naming
-        `nvme_dir`."""
+        of this worker's rank (`scales`: an fp8 pool's, `HostPool.scales`,
+        written and read with each record); a folder it cannot use fails
+        start-up naming `nvme_dir`."""
         records = remote = None
         if not (config.nvme_dir or config.remote_url):
             return cls(records, remote, config.block_tokens)
@@ -55,7 +56,7 @@ class TierTransfers:
         if config.nvme_dir:
             try:
                 records = RecordIO(nvme_layout(config, vllm_config), pool, layout, config.nvme_io_threads,
-                                   sync=config.nvme_sync == "on")
+                                   sync=config.nvme_sync == "on", pool_scales=scales)
             except OSError as e:
                 raise ValueError(f"sekv config 'nvme_dir': cannot use {config.nvme_dir}: {e}") from e
         if config.remote_url:

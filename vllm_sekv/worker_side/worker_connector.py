@@ -148,7 +148,8 @@ class SekvWorkerSide:
         device = next(iter(kv_caches.values())).device
         try:
             self.pool = HostPool(self.num_slots, geo.num_layers, self.config.block_tokens, geo.kv_heads,
-                                 geo.head_dim, geo.dtype, pin_memory=device.type == "cuda")
+                                 geo.head_dim, geo.dtype, pin_memory=device.type == "cuda",
+                                 codec=self.config.workspace_codec)
         except RuntimeError as e:  # page-locking the tier failed (CUDA), or no memory for it
             raise RuntimeError(f"sekv config 'host_bytes': the host tier of {self.config.host_bytes} bytes "
                                f"could not be allocated and pinned ({e}); lower host_bytes") from e
@@ -188,7 +189,7 @@ class SekvWorkerSide:
                 raise ValueError("sekv config 'surprisal': cannot reach the model from the KV connector "
                                  "in this vLLM version; use surprisal off")
             self.surprisal = SurprisalRecorder(model)
-        self.transfers = TierTransfers.open(self.config, self.vllm_config, self.pool.data)
+        self.transfers = TierTransfers.open(self.config, self.vllm_config, self.pool.data, self.pool.scales)
 
     def _read_keys(self, slots: list[int]) -> torch.Tensor:
         """Keys of whole host slots on the index's device (the re-rank's
