@@ -37,6 +37,30 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
            slots, deltas, rope, src_rows)
     torch.testing.assert_close(kv_tri, kv_ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(kv_tri2, kv_ref, rtol=1e-3, atol=1e-3)
+# fp8 staging with scales (workspace_codec fp8): dequantized, rotated in
+# float32, rounded once. fp16 caches: bit-identical to the reference; bf16
+# caches: within 2 bf16 ulps (the interpreter's float32 -> bfloat16 cast
+# rounds differently from torch's).
+from vllm_sekv.store.fp8 import quantize as fp8_quantize
+
+for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 96)]:
+    for cache_dtype in (torch.float16, torch.bfloat16):
+        layers, bt, heads, pages, page_size = 2, 8, 3, 12, 4
+        q8, sc8, _ = fp8_quantize(torch.randn(3, 2, layers, bt, heads, head_dim) * 3, token_dim=3)
+        kv_ref = torch.randn(layers, 2, pages, heads, page_size, head_dim).to(cache_dtype)
+        kv_tri = kv_ref.clone()
+        inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        rope = RopeSpec(inv, rotary_dim, neox)
+        slots = torch.randperm(pages * page_size)[:2 * bt]
+        slots[::5] = -1
+        deltas = torch.randint(-100, 100000, (2 * bt,))
+        for kv, fn in ((kv_ref, scatter_reference.scatter_rerope), (kv_tri, rope_kernel.scatter_rerope)):
+            fn(q8, [kv[l, 0].transpose(1, 2) for l in range(layers)], [kv[l, 1].transpose(1, 2) for l in range(layers)],
+               slots, deltas, rope, torch.tensor([2, 0]), scales=sc8)
+        if cache_dtype == torch.float16:
+            assert torch.equal(kv_tri, kv_ref), (kv_tri.float() - kv_ref.float()).abs().max()
+        else:
+            torch.testing.assert_close(kv_tri, kv_ref, rtol=2 ** -7, atol=1e-6)
 # The rotation kernel: bit-identical to the reference (float32, no fused multiply-adds).
 for neox, rotary_dim, head_dim, dtype in [(True, 64, 64, torch.float16), (False, 32, 32, torch.float32),
                                           (True, 48, 96, torch.float16)]:

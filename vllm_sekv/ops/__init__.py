@@ -13,8 +13,9 @@ beside a reference with the same contract.
   logsumexp logit over its S index vectors, `[Hq, B]` float32 (see
   `vllm_sekv/ops/scoring/sub_block_scoring.py`; the kernel takes S and D powers of two).
 * `scatter_rerope(staging, key_caches, value_caches, slot_mapping,
-  delta_positions, rope, src_rows=None)`: staged blocks -> paged caches, K
-  re-RoPE'd (see `vllm_sekv/ops/rope/scatter_reference.py`).
+  delta_positions, rope, src_rows=None, scales=None)`: staged blocks -> paged
+  caches, K re-RoPE'd; fp8 staging with its `scales` is dequantized on the
+  way (see `vllm_sekv/ops/rope/scatter_reference.py`).
 * `gather_rerope(key_caches, value_caches, slots, delta_positions, rope,
   out)`: paged caches -> a `[2, layers, n, kv_heads, head_dim]` capture
   buffer, K re-RoPE'd (see `vllm_sekv/ops/rope/gather.py`).
@@ -81,13 +82,16 @@ def score_sub_blocks(queries: torch.Tensor, entries: torch.Tensor, layer: int, s
 
 def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                    slot_mapping: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec,
-                   src_rows: torch.Tensor | None = None) -> None:
-    """Scatter + re-RoPE into paged caches; Triton on CUDA, reference elsewhere."""
+                   src_rows: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+    """Scatter + re-RoPE into paged caches (fp8 staging dequantized by
+    `scales`); Triton on CUDA, reference elsewhere."""
     if _use_triton(staging) and key_caches and _use_triton(key_caches[0]):
         from vllm_sekv.ops.rope import scatter
 
-        return scatter.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
-    return _scatter_ref.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows)
+        return scatter.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows,
+                                      scales=scales)
+    return _scatter_ref.scatter_rerope(staging, key_caches, value_caches, slot_mapping, delta_positions, rope, src_rows,
+                                       scales)
 
 
 def gather_rerope(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], slots: torch.Tensor,

@@ -13,6 +13,13 @@ rotates in float32 and rounds once to the cache dtype. The table costs
 `rotary_dim * 4` bytes per token against `num_layers * kv_heads * head_dim * 4`
 bytes of K/V moved, i.e. well under 1% of the traffic.
 
+With `scales` (an fp8 host pool's, `store.fp8`): the staging buffer holds
+float8 e4m3; the kernel loads each token's K and V scale of its (staging row,
+layer, head), dequantizes in float32 (`float(x) * scale`), rotates the keys
+in float32 and rounds once to the caches' dtype, as the reference does. One
+extra pointer and a constexpr flag (`HAS_SCALES`); without it the code path is
+the exact one (V and pass-through dims copied bit for bit).
+
 Grid: [token tiles, kv-head groups of `heads_per_prog`, layers]; a program
 loads its tokens' cos/sin once and reuses them for its heads. Memory-bound:
 reads the staged K/V once and writes each byte once.
@@ -75,11 +82,11 @@ def rope_pairs(toks, t_mask, COS, SIN, HALF: tl.constexpr, IS_NEOX: tl.constexpr
 
 @triton.jit
 def _scatter_rerope_kernel(
-    STAGING, SRC_ROWS, SLOTS, COS, SIN, KPTRS, VPTRS,
+    STAGING, SRC_ROWS, SLOTS, COS, SIN, KPTRS, VPTRS, CACHE_REF, SCALES,
     num_tokens, kv_heads, page_size, row_stride, half_stride, layer_stride, tok_stride,
-    k_sp, k_st, k_sh, k_sd, v_sp, v_st, v_sh, v_sd,
+    k_sp, k_st, k_sh, k_sd, v_sp, v_st, v_sh, v_sd, sc_row, sc_half, sc_layer,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-    IS_NEOX: tl.constexpr, HAS_SRC_ROWS: tl.constexpr, HAS_PASS: tl.constexpr,
+    IS_NEOX: tl.constexpr, HAS_SRC_ROWS: tl.constexpr, HAS_PASS: tl.constexpr, HAS_SCALES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -96,7 +103,7 @@ def _scatter_rerope_kernel(
         blk = tl.load(SRC_ROWS + blk, mask=t_mask, other=0)
     blk = blk.to(tl.int64)
     src_tok = STAGING + blk * row_stride + layer * layer_stride + (toks % BLOCK_TOKENS) * tok_stride
-    DTYPE = STAGING.dtype.element_ty
+    DTYPE = CACHE_REF.dtype.element_ty  # the caches' dtype (the staging's unless HAS_SCALES)
     k_base = tl.load(KPTRS + layer).to(tl.pointer_type(DTYPE))
     v_base = tl.load(VPTRS + layer).to(tl.pointer_type(DTYPE))
     k_tok = k_base + page * k_sp + off * k_st
@@ -117,6 +124,12 @@ def _scatter_rerope_kernel(
         lm = r_mask[:, None] & i_mask[None, :]
         x1 = tl.load(src[:, None] + d1[None, :], mask=lm, other=0.0).to(tl.float32)
         x2 = tl.load(src[:, None] + d2[None, :], mask=lm, other=0.0).to(tl.float32)
+        if HAS_SCALES:  # fp8 staging: scale of (row, K / V, layer, head) per token
+            sc = SCALES + blk * sc_row + layer * sc_layer + head
+            k_scale = tl.load(sc, mask=r_mask, other=1.0)
+            v_scale = tl.load(sc + sc_half, mask=r_mask, other=1.0)
+            x1 = x1 * k_scale[:, None]
+            x2 = x2 * k_scale[:, None]
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
         wm = s_mask[:, None] & i_mask[None, :]
@@ -125,9 +138,13 @@ def _scatter_rerope_kernel(
         if HAS_PASS:  # dims [2*HALF, HEAD_DIM) are not rotated
             p_mask = (dd >= 2 * HALF) & d_mask
             xp = tl.load(src[:, None] + dd[None, :], mask=r_mask[:, None] & p_mask[None, :], other=0.0)
+            if HAS_SCALES:
+                xp = (xp.to(tl.float32) * k_scale[:, None]).to(DTYPE)
             tl.store(k_dst[:, None] + dd[None, :] * k_sd, xp, mask=s_mask[:, None] & p_mask[None, :])
-        # V: plain copy.
+        # V: plain copy (fp8: dequantized, rounded once to the cache dtype).
         v = tl.load(src[:, None] + half_stride + dd[None, :], mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+        if HAS_SCALES:
+            v = (v.to(tl.float32) * v_scale[:, None]).to(DTYPE)
         tl.store(v_dst[:, None] + dd[None, :] * v_sd, v, mask=s_mask[:, None] & d_mask[None, :])
 
 
@@ -163,6 +180,7 @@ def scatter_rerope(
     src_rows: torch.Tensor | None = None,
     block_t: int = 32,
     heads_per_prog: int = 8,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Triton version of `scatter_reference.scatter_rerope` (same arguments).
 
@@ -170,7 +188,8 @@ def scatter_rerope(
     delta_positions and src_rows are moved to that device if needed (a copy,
     possibly blocking if they live in pageable host memory).
     """
-    num_batch_blocks = check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_positions, src_rows)
+    num_batch_blocks = check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_positions, src_rows,
+                                          scales)
     if num_batch_blocks == 0:
         return
     device = key_caches[0].device
@@ -178,8 +197,10 @@ def scatter_rerope(
         raise ValueError("the Triton scatter needs staging and caches on one CUDA device")
     if not staging.is_contiguous():
         raise ValueError("staging must be contiguous")
-    if staging.dtype not in _TORCH_TO_TL:
-        raise ValueError(f"unsupported dtype {staging.dtype}")
+    if key_caches[0].dtype not in _TORCH_TO_TL:
+        raise ValueError(f"unsupported dtype {key_caches[0].dtype}")
+    if scales is not None:
+        scales = scales.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
     _, _, num_layers, block_tokens, kv_heads, head_dim = staging.shape
     half = rotary_half(rope, head_dim)
     ks = _common_strides(key_caches, "key cache")
@@ -192,11 +213,14 @@ def scatter_rerope(
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(kv_heads, heads_per_prog), num_layers)
     _scatter_rerope_kernel[grid](
         staging, rows if rows is not None else slots, slots, cos, sin,
-        _pointer_table(key_caches), _pointer_table(value_caches),
+        _pointer_table(key_caches), _pointer_table(value_caches), key_caches[0],
+        scales if scales is not None else cos,
         num_tokens, kv_heads, key_caches[0].shape[1], staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
         ks[0], ks[1], ks[2], ks[3], vs[0], vs[1], vs[2], vs[3],
+        *(scales.stride()[:3] if scales is not None else (0, 0, 0)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_TOKENS=block_tokens,
         IS_NEOX=rope.is_neox_style, HAS_SRC_ROWS=rows is not None, HAS_PASS=2 * half < head_dim,
+        HAS_SCALES=scales is not None,
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_PROG=heads_per_prog, num_warps=4,
     )

@@ -15,6 +15,12 @@ Batch token n goes to slot `slot_mapping[n]` = page * page_size + offset;
 slot -1 skips the token. K is rotated by `delta_positions[n]` (new position minus
 stored position) with `rotate_keys`; V is copied.
 
+Optional `scales [n_rows, 2, num_layers, kv_heads]` float32 (one per staging
+row, K or V, layer and head; `store.fp8`): the staging buffer then holds
+float8 e4m3 (an fp8 host pool's bytes) and each element is dequantized as
+`float(x) * scale`, keys rotated in float32, and the result rounded once to
+the caches' dtype.
+
 Mutates only the destination caches (in place); the staging buffer is read only.
 Raises ValueError on mismatched shapes or dtypes.
 """
@@ -28,17 +34,24 @@ from .rope_spec import RopeSpec
 from .rotate_reference import rotate_keys
 
 
-def check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_positions, src_rows) -> int:
+def check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_positions, src_rows,
+                       scales=None) -> int:
     """Validate arguments; return the number of batch blocks. Raises ValueError."""
     if staging.dim() != 6 or staging.shape[1] != 2:
         raise ValueError(f"staging must be [n, 2, layers, block_tokens, kv_heads, head_dim], got {tuple(staging.shape)}")
     _, _, num_layers, block_tokens, kv_heads, head_dim = staging.shape
+    if scales is not None:
+        if staging.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"scales go with float8_e4m3fn staging, got {staging.dtype}")
+        want = (staging.shape[0], 2, num_layers, kv_heads)
+        if tuple(scales.shape) != want or scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {list(want)}, got {scales.dtype} {list(scales.shape)}")
     if len(key_caches) != num_layers or len(value_caches) != num_layers:
         raise ValueError(f"need {num_layers} key and value caches, got {len(key_caches)} and {len(value_caches)}")
     for cache in list(key_caches) + list(value_caches):
         if cache.dim() != 4 or tuple(cache.shape[2:]) != (kv_heads, head_dim):
             raise ValueError(f"cache views must be [pages, page_size, {kv_heads}, {head_dim}], got {tuple(cache.shape)}")
-        if cache.dtype != staging.dtype or cache.device != key_caches[0].device:
+        if (scales is None and cache.dtype != staging.dtype) or cache.device != key_caches[0].device:
             raise ValueError(f"cache {cache.dtype}/{cache.device} vs staging {staging.dtype}/{key_caches[0].device}")
     num_batch_blocks = staging.shape[0] if src_rows is None else int(src_rows.shape[0])
     num_tokens = num_batch_blocks * block_tokens
@@ -58,15 +71,21 @@ def scatter_rerope(
     delta_positions: torch.Tensor,
     rope: RopeSpec,
     src_rows: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
 ) -> None:
-    """Write K (rotated by `delta_positions`) and V of the staged blocks into the caches."""
-    num_batch_blocks = check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_positions, src_rows)
+    """Write K (rotated by `delta_positions`) and V of the staged blocks into
+    the caches (fp8 staging dequantized by `scales` first)."""
+    num_batch_blocks = check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_positions, src_rows,
+                                          scales)
     if num_batch_blocks == 0:
         return
     _, _, num_layers, block_tokens, kv_heads, head_dim = staging.shape
     device = key_caches[0].device
     rows = staging if src_rows is None else staging[src_rows.to(staging.device)]
     rows = rows.to(device)
+    if scales is not None:  # float(x) * scale in float32; rotated in float32 below, rounded once at the store
+        s = scales if src_rows is None else scales[src_rows.to(scales.device)]
+        rows = rows.to(torch.float32) * s.to(device)[:, :, :, None, :, None]
     slots = slot_mapping.to(device=device, dtype=torch.int64)
     deltas = delta_positions.to(device=device, dtype=torch.int64)
     keep = slots >= 0
@@ -76,8 +95,8 @@ def scatter_rerope(
         k = rows[:, 0, layer].reshape(-1, kv_heads, head_dim)
         v = rows[:, 1, layer].reshape(-1, kv_heads, head_dim)
         k = rotate_keys(k[keep], deltas[keep], rope)
-        key_caches[layer][pages, offsets] = k
-        value_caches[layer][pages, offsets] = v[keep]
+        key_caches[layer][pages, offsets] = k.to(key_caches[layer].dtype)
+        value_caches[layer][pages, offsets] = v[keep].to(value_caches[layer].dtype)
 
 
 def check_gather_args(key_caches, value_caches, slots, delta_positions, out) -> None:
