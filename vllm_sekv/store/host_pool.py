@@ -228,15 +228,17 @@ class HostPool:
         rest_idx = torch.from_numpy(np.concatenate(rest)) if rest else torch.zeros(0, dtype=torch.int64)
         return SlotRuns(whole, rest_idx)
 
-    def read_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V `[n, kv_heads, head_dim]` of one layer at flat token rows (in `dtype`)."""
+    def read_rows(self, layer: int, rows: torch.Tensor,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `[n, kv_heads, head_dim]` of one layer at flat token rows (in
+        `dtype`, default the pool's `dtype`; fp8 pools dequantize to it)."""
         slots, offsets = rows // self.block_tokens, rows % self.block_tokens
         k, v = self.data[slots, 0, layer, offsets], self.data[slots, 1, layer, offsets]
         if self.scales is None:
-            return k, v
+            return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
         s = self.scales[slots, :, layer]  # [n, 2, H]
-        return (dequantize(k, s[:, 0], token_dim=0, dtype=self.dtype),
-                dequantize(v, s[:, 1], token_dim=0, dtype=self.dtype))
+        return (dequantize(k, s[:, 0], token_dim=0, dtype=dtype or self.dtype),
+                dequantize(v, s[:, 1], token_dim=0, dtype=dtype or self.dtype))
 
     def read_rows_all_layers(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V `[n, num_layers, kv_heads, head_dim]` of every layer at flat token rows (in `dtype`)."""

@@ -24,6 +24,13 @@ exactly once per layer, on the compute stream. The pool's slots must stay
 untouched until `finish()`'s copy events pass (the planner never reuses a slot
 that a step restores). On CPU the same logic runs with synchronous copies
 (tests); with `cudart` unavailable on CUDA, callers use `RestorePipeline`.
+
+An fp8 pool (`workspace_codec` fp8) moves its fp8 bytes (half an exact pool's)
+and, given `scales` (the pool's `[slots, 2, layers, kv_heads]`), the restored
+blocks' scales once at construction (`[num_blocks, 2, layers, kv_heads]`
+float32, gathered on the host, one small copy on the current stream);
+`write` then gets K and V dequantized in float32 (`float(x) * scale`), to be
+rotated in float32 and rounded once to the cache dtype (`LayerWriter`).
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
+from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.slot_runs import runs
 
 # (layer index, key [n * block_tokens, kv_heads, head_dim], value [same])
@@ -45,7 +53,7 @@ class LayerwiseRestore:
 
     def __init__(self, pool: torch.Tensor, host_slots: np.ndarray, write: LayerWrite | None,
                  device: torch.device | str, depth: int = 4,
-                 copy_stream: "torch.cuda.Stream | None" = None) -> None:
+                 copy_stream: "torch.cuda.Stream | None" = None, scales: torch.Tensor | None = None) -> None:
         if pool.dim() != 6 or pool.shape[1] != 2:
             raise ValueError(f"pool must be [slots, 2, layers, block_tokens, kv_heads, head_dim], got {tuple(pool.shape)}")
         if not len(host_slots):
@@ -62,6 +70,12 @@ class LayerwiseRestore:
         self._cuda = self.device.type == "cuda"
         if self._cuda and (copy_stream is None or not cudart.is_page_locked(pool)):
             raise ValueError("on CUDA a layerwise restore needs a copy stream and a pinned pool")
+        if (scales is not None) != (pool.dtype == torch.float8_e4m3fn):
+            raise ValueError("scales are required with an fp8 pool, and only with one")
+        self._scales = None  # fp8: [num_blocks, 2, layers, kv_heads] float32 on the device
+        if scales is not None:
+            picked = scales[torch.as_tensor(self.host_slots, dtype=torch.int64)]
+            self._scales = to_device(picked, self.device) if self._cuda else picked
         chunk = pool.shape[3:]
         self._bufs = [torch.empty((2, self.num_blocks, *chunk), dtype=pool.dtype, device=self.device)
                       for _ in range(min(depth, self.num_layers))]
@@ -78,7 +92,9 @@ class LayerwiseRestore:
 
     @property
     def num_bytes(self) -> int:
-        return self.num_blocks * self._slot_bytes
+        """Bytes moved host -> device (scales included)."""
+        scale_bytes = 0 if self._scales is None else self._scales.numel() * 4
+        return self.num_blocks * self._slot_bytes + scale_bytes
 
     def start(self) -> None:
         """Enqueue the copies of the first `depth` layers."""
@@ -115,6 +131,10 @@ class LayerwiseRestore:
             compute.wait_event(self._copied[layer])
         key = buf[0].view(self._tokens, *buf.shape[3:])
         value = buf[1].view(self._tokens, *buf.shape[3:])
+        if self._scales is not None:  # fp8: float(x) * scale of its (block, K / V, layer, head)
+            s = self._scales[:, :, layer, :, None]  # [n, 2, H, 1]
+            key = (buf[0].to(torch.float32) * s[:, None, 0]).view(self._tokens, *buf.shape[3:])
+            value = (buf[1].to(torch.float32) * s[:, None, 1]).view(self._tokens, *buf.shape[3:])
         if self.write is None:
             raise RuntimeError("a layerwise restore loaded a layer before it was given its `write`")
         self.write(layer, key, value)

@@ -19,6 +19,13 @@ On CPU (device "cpu") the same code runs without streams: a threaded host
 gather (`HostGatherer`) into a staging buffer, then the reference scatter.
 `restore` is then fully synchronous.
 
+An fp8 pool (`workspace_codec` fp8, dtype float8_e4m3fn): the staging
+buffers hold its fp8 bytes (half of an exact pool's), and `restore` takes the
+pool's `scales`; each batch's scales `[m, 2, layers, kv_heads]` (gathered on
+the host, a few hundred bytes per block) go to the device and are handed to
+the scatter (`ops.scatter_rerope(..., scales=)`) or to `write` as a fourth
+argument, which dequantize there.
+
 What each call mutates: the destination caches (at the given slots, on the
 compute stream) and the pipeline's staging buffers. The host pool is read
 until the returned handle completes (do not overwrite those slots before
@@ -36,6 +43,7 @@ import torch
 
 from vllm_sekv import ops
 from vllm_sekv.store import cudart
+from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.slot_runs import runs
 from vllm_sekv.ops import RopeSpec
 
@@ -133,6 +141,8 @@ class RestorePipeline:
         self.is_cuda = self.device.type == "cuda"
         shape = (batch_blocks, *self.block_shape)
         self._dev = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_buffers)]
+        # fp8 staging: each block's float32 scales [2, layers, kv_heads] move with it
+        self.scale_bytes = 2 * self.block_shape[1] * self.block_shape[3] * 4 if dtype == torch.float8_e4m3fn else 0
         if self.is_cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._scatter_done: list[torch.cuda.Event | None] = [None] * num_buffers
@@ -142,7 +152,8 @@ class RestorePipeline:
 
     @property
     def block_bytes(self) -> int:
-        return self._dev[0][0].numel() * self._dev[0].element_size()
+        """Bytes one block moves host -> device (its scales included)."""
+        return self._dev[0][0].numel() * self._dev[0].element_size() + self.scale_bytes
 
     def restore(
         self,
@@ -153,7 +164,8 @@ class RestorePipeline:
         slot_mapping: torch.Tensor,
         delta_positions: torch.Tensor,
         rope: RopeSpec,
-        write: "Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None" = None,
+        write: "Callable[..., None] | None" = None,
+        scales: torch.Tensor | None = None,
     ) -> RestoreHandle:
         """Restore blocks `pool[host_slots[j]]` (j-th block = batch tokens
         `[j*block_tokens, (j+1)*block_tokens)`) into the caches at `slot_mapping`,
@@ -165,12 +177,18 @@ class RestorePipeline:
         `[m, 2, layers, block_tokens, kv_heads, head_dim]` on the device, and
         `key_caches` / `value_caches` are then unused.
 
+        `scales` (an fp8 pool's `[slots, 2, layers, kv_heads]` float32, required
+        exactly when the pool is fp8): `write` then gets the batch's scales as
+        a fourth argument.
+
         Non-blocking on CUDA; returns a handle whose event marks completion on
         the current stream. The pool's slots are read until then.
         """
         n = len(host_slots)
         if tuple(pool.shape[1:]) != self.block_shape or pool.dtype != self.dtype:
             raise ValueError(f"pool {tuple(pool.shape)} {pool.dtype} does not match {self.block_shape} {self.dtype}")
+        if (scales is not None) != bool(self.scale_bytes):
+            raise ValueError("scales are required with an fp8 pool, and only with one")
         if slot_mapping.shape != (n * self.block_tokens,) or delta_positions.shape != (n * self.block_tokens,):
             raise ValueError(f"slot_mapping / delta_positions must be [{n * self.block_tokens}]")
         if any(not 0 <= s < pool.shape[0] for s in host_slots):
@@ -178,7 +196,8 @@ class RestorePipeline:
         slots_dev = slot_mapping.to(self.device, torch.int64)
         deltas_dev = delta_positions.to(self.device, torch.int64)
         if not self.is_cuda:
-            return self._restore_cpu(pool, host_slots, key_caches, value_caches, slots_dev, deltas_dev, rope, write)
+            return self._restore_cpu(pool, host_slots, key_caches, value_caches, slots_dev, deltas_dev, rope, write,
+                                     scales)
         if not cudart.is_page_locked(pool):
             raise ValueError("a CUDA restore reads a page-locked (pinned) host pool")
         compute = torch.cuda.current_stream(self.device)
@@ -199,10 +218,11 @@ class RestorePipeline:
             compute.wait_event(done)
             staged = self._dev[buf][:b1 - b0]
             batch_slots, batch_deltas = slots_dev[b0 * bt:b1 * bt], deltas_dev[b0 * bt:b1 * bt]
-            if write is not None:
-                write(staged, batch_slots, batch_deltas)
-            else:
-                ops.scatter_rerope(staged, key_caches, value_caches, batch_slots, batch_deltas, rope)
+            batch_scales = None
+            if scales is not None:  # a few hundred bytes a block, on the compute stream
+                batch_scales = to_device(scales[torch.as_tensor(list(host_slots[b0:b1]), dtype=torch.int64)],
+                                         self.device)
+            self._write(staged, key_caches, value_caches, batch_slots, batch_deltas, rope, write, batch_scales)
             ev = torch.cuda.Event()
             ev.record(compute)
             self._scatter_done[buf] = ev
@@ -210,17 +230,28 @@ class RestorePipeline:
         end.record(compute)
         return RestoreHandle(end, n, n * self.block_bytes)
 
-    def _restore_cpu(self, pool, host_slots, key_caches, value_caches, slots, deltas, rope, write) -> RestoreHandle:
+    @staticmethod
+    def _write(staged, key_caches, value_caches, slots, deltas, rope, write, scales) -> None:
+        if write is not None:
+            if scales is None:
+                write(staged, slots, deltas)
+            else:
+                write(staged, slots, deltas, scales)
+        else:
+            ops.scatter_rerope(staged, key_caches, value_caches, slots, deltas, rope, scales=scales)
+
+    def _restore_cpu(self, pool, host_slots, key_caches, value_caches, slots, deltas, rope, write,
+                     scales) -> RestoreHandle:
         bt = self.block_tokens
         for b0 in range(0, len(host_slots), self.batch_blocks):
             b1 = min(len(host_slots), b0 + self.batch_blocks)
             staging = self._dev[0][:b1 - b0]
             self.gatherer.gather(pool, host_slots[b0:b1], staging)
-            if write is not None:
-                write(staging, slots[b0 * bt:b1 * bt], deltas[b0 * bt:b1 * bt])
-            else:
-                ops.scatter_rerope(staging, key_caches, value_caches, slots[b0 * bt:b1 * bt],
-                                   deltas[b0 * bt:b1 * bt], rope)
+            batch_scales = None
+            if scales is not None:
+                batch_scales = scales[torch.as_tensor(list(host_slots[b0:b1]), dtype=torch.int64)]
+            self._write(staging, key_caches, value_caches, slots[b0 * bt:b1 * bt], deltas[b0 * bt:b1 * bt], rope,
+                        write, batch_scales)
         return RestoreHandle(None, len(host_slots), len(host_slots) * self.block_bytes)
 
     def close(self) -> None:

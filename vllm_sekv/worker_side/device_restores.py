@@ -21,6 +21,11 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
 * batched (`RestorePipeline`): whole slots, every layer written before the
   forward.
 
+With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
+slots' scales; `LayerWriter` gets float32 K/V dequantized on the device,
+rotates keys in float32 and rounds once to the model dtype before the
+platform's cache-update op.
+
 Each restore's transfer time travels in the step's report as a
 `RestoreTiming` (CUDA events, read when they are in). One instance per
 worker, used from the forward thread (vLLM calls the scheduler side there
@@ -131,6 +136,8 @@ class LayerWriter:
                mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
         if self.rerope:
             key = rotate_keys(key, deltas, self.rope)
+        # fp8 pools hand float32 K/V (dequantized, rotated in float32): rounded once here
+        key, value = key.to(self.geometry.dtype), value.to(self.geometry.dtype)
         for layer, kv_cache in self.layers.get(idx, ()):
             layer.impl.write_kv(layer, key, value, kv_cache, mapping)
 
@@ -145,9 +152,13 @@ class LayerWriter:
             raise RuntimeError("a layerwise restore wrote a layer before its writer was routed")
         self._write(idx, key, value, self.mapping, self.deltas)
 
-    def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor) -> None:
-        """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`."""
+    def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor,
+              scales: torch.Tensor | None = None) -> None:
+        """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`
+        (fp8 with its `scales [m, 2, layers, kv_heads]`: dequantized in float32 first)."""
         geo = self.geometry
+        if scales is not None:
+            staged = staged.to(torch.float32) * scales[:, :, :, None, :, None]
         for idx in self.layers:
             key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
             value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
@@ -175,7 +186,7 @@ class DeviceRestores:
         self.restore_mode = restore_mode
         self.device = torch.device(device)
         self.layerwise_copies = layerwise_copies
-        self.pipeline = RestorePipeline(tuple(pool.data.shape[1:]), geometry.dtype, device)
+        self.pipeline = RestorePipeline(tuple(pool.data.shape[1:]), pool.data.dtype, device)
         self._copy_stream = getattr(self.pipeline, "copy_stream", None)  # CUDA only
         # This step's layer-by-layer restores (one, or two when a head start
         # begun at a match serves one of its requests), each with its
@@ -307,7 +318,7 @@ class DeviceRestores:
         if stream is not None:
             self.capture_writer.order(stream)  # copy streams wait for it
         job = LayerwiseRestore(self.pool.data, host_slots, None, self.device, depth=depth,
-                               copy_stream=self._copy_stream)
+                               copy_stream=self._copy_stream, scales=self.pool.scales)
         job.start()
         return job
 
@@ -338,7 +349,8 @@ class DeviceRestores:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.device),
-                                  to_device(deltas, self.device), self.rope, write=writer.batch)
+                                  to_device(deltas, self.device), self.rope, write=writer.batch,
+                                  scales=self.pool.scales)
             end.record()
             timings.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
         return timings

@@ -70,9 +70,12 @@ class HostRestores:
         deltas = None if rope_deltas is None else torch.from_numpy(rope_deltas)
         for name, kv_cache in self.kv_caches.items():
             layer = compat.attention_layer(forward_context, name)
-            key, value = self.pool.read_rows(self.layer_of[name], rows)
+            # fp8 pools: dequantized and rotated in float32, rounded once to the model dtype
+            wide = torch.float32 if self.pool.scales is not None else None
+            key, value = self.pool.read_rows(self.layer_of[name], rows, wide)
             if deltas is not None:
                 key = rotate_keys(key, deltas, self.rope)
+            key, value = key.to(self.pool.dtype), value.to(self.pool.dtype)
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
 
