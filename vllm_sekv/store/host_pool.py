@@ -236,9 +236,9 @@ class HostPool:
         k, v = self.data[slots, 0, layer, offsets], self.data[slots, 1, layer, offsets]
         if self.scales is None:
             return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
-        s = self.scales[slots, :, layer]  # [n, 2, H]
-        return (dequantize(k, s[:, 0], token_dim=0, dtype=dtype or self.dtype),
-                dequantize(v, s[:, 1], token_dim=0, dtype=dtype or self.dtype))
+        s = self.scales[slots, :, layer, :, None]  # [n, 2, H, 1]: each row its slot's scales
+        out = dtype or self.dtype
+        return (k.to(torch.float32) * s[:, 0]).to(out), (v.to(torch.float32) * s[:, 1]).to(out)
 
     def read_rows_all_layers(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V `[n, num_layers, kv_heads, head_dim]` of every layer at flat token rows (in `dtype`)."""
