@@ -43,10 +43,13 @@ def test_non_config_env_is_ignored():
         ({"recompute_blocks": 4, "surprisal": "on", "coarse": "on"}, {}, "recompute_blocks"),
         ({"lexical_weight": -1}, {}, "lexical_weight"),
         ({}, {"SEKV_LEXICAL_WEIGHT": "nan"}, "lexical_weight"),
+        ({"workspace_codec": "int8"}, {}, "workspace_codec"),
+        ({}, {"SEKV_WORKSPACE_CODEC": "FP8"}, "workspace_codec"),
     ],
     ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
          "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router",
-         "negative-recompute", "recompute-with-coarse", "negative-lexical-weight", "nan-lexical-weight"],
+         "negative-recompute", "recompute-with-coarse", "negative-lexical-weight", "nan-lexical-weight",
+         "bad-workspace-codec", "bad-workspace-codec-env"],
 )
 def test_bad_config_names_the_key(extra, env, key):
     with pytest.raises(ValueError, match=key):
@@ -66,3 +69,19 @@ def test_every_key_is_documented_once_and_nothing_else_is():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     rows = re.findall(r"^\| `([a-z_]+)` \|", doc, re.M)
     assert sorted(rows) == sorted(SekvConfig.keys())
+
+
+def test_workspace_codec_fp8_is_accepted_and_exact_is_the_default():
+    assert SekvConfig().workspace_codec == "exact"
+    assert SekvConfig.from_sources({}, environ={"SEKV_WORKSPACE_CODEC": "fp8"}).workspace_codec == "fp8"
+
+
+@pytest.mark.parametrize("extra,other", [
+    ({"remote_url": "redis://localhost:6379/0", "hash_secret": "s" * 16}, "remote_url"),
+    ({"restore_codec": "lowrank(8)"}, "restore_codec"),
+], ids=["with-remote", "with-lowrank"])
+def test_workspace_codec_fp8_refuses_what_it_cannot_serve_naming_both_keys(extra, other):
+    with pytest.raises(ValueError, match="workspace_codec") as e:
+        SekvConfig.from_sources({"workspace_codec": "fp8", **extra}, environ={})
+    assert other in str(e.value)
+    SekvConfig.from_sources({"workspace_codec": "exact", **extra}, environ={})  # exact: both fine

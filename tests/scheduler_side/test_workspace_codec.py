@@ -1,0 +1,53 @@
+"""`workspace_codec` against a real vLLM config of SmolLM2: fp8 holds about
+twice the host blocks in the same budget, names its codec in the fingerprint
+and the NVMe records (another folder, another record codec), and is refused
+with an fp8 paged cache."""
+import pytest
+
+from vllm_sekv.config import SekvConfig
+
+
+@pytest.fixture(scope="module")
+def vllm_config(model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_sekv import plugin
+
+    plugin.register()
+    return EngineArgs(model=model_dir, max_model_len=2048, kv_transfer_config={
+        "kv_connector": "sekv", "kv_role": "kv_both"}).create_engine_config()
+
+
+def _config(codec, **extra):
+    return SekvConfig.from_sources({"host_bytes": "64M", "workspace_codec": codec, **extra}, environ={})
+
+
+def test_fp8_holds_about_twice_the_blocks_and_is_another_identity(vllm_config):
+    from vllm_sekv import model_identity
+    from vllm_sekv.protocol.metadata import host_slots, nvme_layout, record_layout
+    from vllm_sekv.store.records import CODEC_EXACT, CODEC_FP8
+
+    exact, fp8 = _config("exact", nvme_dir="/tmp/x"), _config("fp8", nvme_dir="/tmp/x")
+    (n_exact, b_exact), (n_fp8, b_fp8) = host_slots(exact, vllm_config), host_slots(fp8, vllm_config)
+    assert 0.5 < b_fp8 / b_exact < 0.51  # half, plus the scales
+    assert n_fp8 >= 1.96 * n_exact
+    fp_exact = model_identity.model_fingerprint(vllm_config, 32)
+    assert "workspace_codec" not in fp_exact  # exact fingerprints are what they were
+    assert model_identity.model_fingerprint(vllm_config, 32, "fp8") == {**fp_exact, "workspace_codec": "fp8"}
+    assert nvme_layout(exact, vllm_config).root != nvme_layout(fp8, vllm_config).root
+    r_exact, r_fp8 = record_layout(exact, vllm_config, 0), record_layout(fp8, vllm_config, 0)
+    assert (r_exact.codec, r_fp8.codec) == (CODEC_EXACT, CODEC_FP8)
+    assert r_exact.fingerprint != r_fp8.fingerprint and r_fp8.payload_bytes == b_fp8  # one rank
+
+
+def test_fp8_with_an_fp8_paged_cache_is_refused_naming_the_key(vllm_config):
+    from vllm_sekv.protocol.metadata import host_slots
+
+    before = vllm_config.cache_config.cache_dtype
+    vllm_config.cache_config.cache_dtype = "fp8_e4m3"
+    try:
+        with pytest.raises(ValueError, match="workspace_codec"):
+            host_slots(_config("fp8"), vllm_config)
+        host_slots(_config("exact"), vllm_config)  # exact moves the model dtype, as before
+    finally:
+        vllm_config.cache_config.cache_dtype = before
