@@ -12,7 +12,9 @@ before every step unless "reset" is false (then vLLM's own cache serves the
 history: the case sekv replaces). "prompt_ids" instead of "turns": one step
 on exactly these token ids. "extra_args": every request's
 `SamplingParams.extra_args` (a client's `vllm_xargs`). "kv_cache_dtype": vLLM's
-`--kv-cache-dtype` (e.g. "fp8"). After the session, the last prompt is sent again once with
+`--kv-cache-dtype` (e.g. "fp8"). "metrics": true keeps vLLM's stats on and
+adds the engine's `vllm:sekv_*` counters to OUT ("metrics": name -> value).
+After the session, the last prompt is sent again once with
 `other_salt` and once with `salt` (cache reset before each) to probe tenant
 isolation. OUT gets per-step token ids, num_cached_tokens and kv_transfer_params,
 and the scheduler the engine ran ("scheduler": class path, "async_scheduling").
@@ -110,6 +112,8 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs["compilation_config"] = {"cudagraph_mode": spec["cudagraph_mode"]}
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("metrics"):
+        kwargs["disable_log_stats"] = False
     llm = LLM(model=spec["model"], max_model_len=8192, enforce_eager=not spec.get("cudagraph_mode"),
               gpu_memory_utilization=0.5, seed=0, dtype=spec.get("dtype", "auto"), **kwargs)
     tok = llm.get_tokenizer()
@@ -139,8 +143,12 @@ def main(spec_path: str, out_path: str) -> None:
     sc = llm.llm_engine.vllm_config.scheduler_config
     scheduler = {"class": str(sc.scheduler_cls), "async_scheduling": bool(sc.async_scheduling)}
     graphs = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
-    json.dump({"steps": steps, "probe": probe, "scheduler": scheduler, "cudagraph_mode": getattr(graphs, "name", None)},
-              open(out_path, "w"))
+    metrics = {}
+    if spec.get("metrics"):
+        metrics = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:sekv_")
+                   and hasattr(m, "value")}
+    json.dump({"steps": steps, "probe": probe, "scheduler": scheduler, "cudagraph_mode": getattr(graphs, "name", None),
+               "metrics": metrics}, open(out_path, "w"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""End to end on the real vLLM engine and SmolLM2 (bf16) with `workspace_codec:
+fp8`: the same 3-step session as `test_restore_offline`, run once with the
+exact workspace and once with the fp8 one. The fp8 session restores the same
+history from its host tier (same tokens restored, vLLM's prefix cache reset
+before every step), moves about half the bytes host->device, and its greedy
+continuation is the exact workspace's (checked on the first tokens of each
+step: fp8 K/V is lossy, so longer continuations may drift)."""
+import pytest
+
+from engine_process import run_runner
+
+pytestmark = pytest.mark.engine
+
+BLOCK_TOKENS = 32
+SAME_FIRST_TOKENS = 8  # greedy tokens of each step that must equal the exact workspace's
+
+
+def run_session(tmp_path, model_dir, essay, codec):
+    turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
+    sekv = {"host_bytes": "512M", "block_tokens": BLOCK_TOKENS, "workspace_codec": codec}
+    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24, "salt": "tenant-a",
+            "other_salt": "tenant-b", "dtype": "bfloat16", "reset": True, "metrics": True}
+    return run_runner("session_runner.py", spec, tmp_path, f"sekv-bf16-{codec}")
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory, model_dir, essay):
+    tmp = tmp_path_factory.mktemp("fp8")
+    return run_session(tmp, model_dir, essay, "exact"), run_session(tmp, model_dir, essay, "fp8")
+
+
+def test_fp8_restores_the_same_history_from_the_host_tier(sessions):
+    exact, fp8 = sessions
+    for e, f in zip(exact["steps"][1:], fp8["steps"][1:]):
+        assert f["prompt_token_ids"][: len(e["prompt_token_ids"]) // 2] == e["prompt_token_ids"][
+            : len(e["prompt_token_ids"]) // 2]
+        restored = f["kv_transfer_params"]["sekv"]["restored_tokens"]["host"]
+        assert restored > 0 and f["num_cached_tokens"] == restored
+        computed_before = len(f["prompt_token_ids"]) - f["kv_transfer_params"]["sekv"]["prefilled_tokens"]
+        assert computed_before == restored
+
+
+def test_fp8_moves_about_half_the_bytes_per_restored_token(sessions):
+    exact, fp8 = sessions
+    per_token = []
+    for run in (exact, fp8):
+        m = run["metrics"]
+        assert m.get("vllm:sekv_restored_tokens", 0) > 0, m
+        per_token.append(m["vllm:sekv_restored_bytes"] / m["vllm:sekv_restored_tokens"])
+    assert 0.5 <= per_token[1] / per_token[0] < 0.51, per_token  # fp8 bytes + a scale per 32 tokens
+
+
+def test_fp8_greedy_continuation_starts_as_the_exact_workspaces(sessions):
+    exact, fp8 = sessions
+    assert exact["steps"][0]["output_token_ids"] == fp8["steps"][0]["output_token_ids"]  # nothing restored yet
+    for e, f in zip(exact["steps"][1:], fp8["steps"][1:]):
+        print("exact", e["output_token_ids"], "\nfp8  ", f["output_token_ids"])
+        assert f["output_token_ids"][:SAME_FIRST_TOKENS] == e["output_token_ids"][:SAME_FIRST_TOKENS]
