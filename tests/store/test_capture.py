@@ -192,3 +192,25 @@ def test_paged_views_read_what_vllm_0_26_flash_attention_writes():
     assert torch.equal(compat.paged_kv_views(five, H, D)[1], five[1])
     assert torch.equal(compat.paged_kv_views(five.transpose(0, 1), H, D)[0], five[0])
     assert compat.paged_kv_views(torch.zeros(2, pages, H, page_size, D), H, D) is None  # head-major
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_capture_into_an_fp8_pool_is_the_exact_pools_rows_quantized(device):
+    """`workspace_codec` fp8: whole slots quantized where the capture is,
+    partial slots merged on the host; each row reads back as the exact pool's
+    within one e4m3 rounding (plus the bf16 read)."""
+    host_rows = [4, 5, 6, 7, 9, 10, 0]  # slot 1 whole; slots 2 and 0 partial
+    deltas = torch.tensor([3, 3, 3, 3, -2, 40, 0])
+    cap, seen = _capture(device, host_rows, deltas)
+    pool = HostPool(4, LAYERS, BT, H, D, torch.bfloat16, codec="fp8")
+    assert CaptureWriter(pool, torch.device(device)).write(cap, ROPE)
+    want = _expected(4, host_rows, seen, deltas, torch.bfloat16)
+    rows = torch.tensor(host_rows)
+    k, v = pool.read_rows_all_layers(rows)  # [n, L, H, D]
+    for got, kv in ((k, 0), (v, 1)):
+        ref = want[rows // BT, kv, :, rows % BT].float()
+        scale = pool.scales[rows // BT, kv][..., None]
+        bound = ref.abs() * 2.0 ** -4 + scale * 2.0 ** -10 + ref.abs() * 2.0 ** -8
+        assert bool(((got.float() - ref).abs() <= bound).all())
+    assert pool.take_failed_slots() == set()

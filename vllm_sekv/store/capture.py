@@ -34,10 +34,12 @@ positions and stores the buffer at the capture's host rows:
   step starts while this one's forward still runs, and waiting there would
   undo the overlap.
 * Elsewhere, and on any device with an fp8 pool (`workspace_codec` fp8):
-  synchronously, through a host copy of the buffer in the model dtype
-  (`HostPool.write_rows_all_layers` quantizes on the host). On CUDA that
-  copy waits for the forward: fp8 captures do not yet move fp8 bytes
-  device->host nor overlap the next step.
+  synchronously (`HostPool.write_rows_all_layers`). Under fp8 the whole
+  slots of the capture are quantized where the buffer is (on CUDA only their
+  fp8 bytes and scales are copied to the host); rows of partly written slots
+  are copied in the model dtype and merged with the slot's stored rows on the
+  host. On CUDA these copies wait for the forward: fp8 captures do not
+  overlap the next step.
 
 A capture that did not see every layer is never written: `write` returns
 False and the caller fails its slots (never store a partial block).
@@ -137,7 +139,10 @@ class CaptureWriter:
         if capture.deltas is not None:
             rotate_layer_keys_(kv[0], capture.deltas, rope)
         if self.stream is None:
-            self.pool.write_rows_all_layers(torch.from_numpy(capture.host_rows), kv.cpu())
+            # fp8 pools quantize whole slots where the capture is (on CUDA only
+            # their fp8 bytes and scales cross to the host)
+            self.pool.write_rows_all_layers(torch.from_numpy(capture.host_rows),
+                                            kv if self.pool.scales is not None else kv.cpu())
             return True
         self.stream.wait_stream(torch.cuda.current_stream(kv.device))
         data = self.pool.data  # [slots, 2, L, bt, H, D]

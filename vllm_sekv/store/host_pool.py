@@ -159,7 +159,10 @@ class HostPool:
         """Store K/V of every layer, `kv [2, num_layers, n, kv_heads, head_dim]`
         (K then V, the order of a slot's own layout), at flat token rows
         `rows[n]`: `write_rows` for all layers in one copy per run of whole
-        slots and one for the other rows."""
+        slots and one for the other rows. `kv` is a host tensor, or under fp8
+        may be on a device: whole slots are quantized there (only their fp8
+        bytes and scales come to the host, synchronously), the other rows are
+        copied over and merged on the host."""
         runs = runs if runs is not None else self.slot_runs(rows)
         if self.scales is not None:
             self._write_fp8(rows, kv.permute(2, 0, 1, 3, 4), runs, None)
@@ -182,7 +185,7 @@ class HostPool:
         requantized (see the module doc)."""
         bt = self.block_tokens
         layers = slice(None) if layer is None else slice(layer, layer + 1)
-        rows = torch.as_tensor(rows, dtype=torch.int64)
+        rows = torch.as_tensor(rows, dtype=torch.int64).cpu()
         for begin, first_slot, count in runs.whole:
             part = kv[begin : begin + count * bt]  # [count * bt, 2, L', H, D]
             part = part.reshape(count, bt, *part.shape[1:]).permute(0, 2, 3, 1, 4, 5)  # [count, 2, L', bt, H, D]
@@ -196,13 +199,15 @@ class HostPool:
         fresh = ~torch.from_numpy(self._started[slots.numpy()])
         fresh[where[offsets == 0]] = True
         current[fresh] = 0.0  # a slot's first row starts it: its other rows are not its block's yet
-        current[where, :, :, offsets] = kv[rest].to(torch.float32)
+        current[where, :, :, offsets] = kv[rest.to(kv.device)].to(device="cpu", dtype=torch.float32)
         self._store_slots(slots, layers, current)
 
     def _store_slots(self, slots: torch.Tensor, layers: slice, block: torch.Tensor) -> None:
-        """Quantize `block [m, 2, L', bt, H, D]` (full precision) into
-        `slots` at `layers`; slots with non-finite values are failed."""
+        """Quantize `block [m, 2, L', bt, H, D]` (full precision, on any
+        device: quantized there, so only fp8 bytes and scales come to the
+        host) into `slots` at `layers`; slots with non-finite values are failed."""
         q, scale, finite = quantize(block, token_dim=3)
+        q, scale, finite = q.cpu(), scale.cpu(), finite.cpu()
         bad = ~finite.reshape(len(slots), -1).all(dim=1)
         if bool(bad.any()):
             self.failed.update(slots[bad].tolist())
