@@ -39,9 +39,14 @@ class Layer:
         kv_cache[1, slots[keep]] = value[keep]
 
 
-def _setup(restore_mode="layerwise"):
-    pool = HostPool(SLOTS, LAYERS, BT, HEADS, D, torch.float32)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
+def _setup(restore_mode="layerwise", codec="exact"):
+    pool = HostPool(SLOTS, LAYERS, BT, HEADS, D, torch.float32, codec=codec)
+    kv = torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0))
+    if codec == "exact":
+        pool.data.copy_(kv)
+    else:  # every slot written whole, as captures fill them
+        pool.write_rows_all_layers(torch.arange(SLOTS * BT),
+                                   kv.permute(1, 2, 0, 3, 4, 5).reshape(2, LAYERS, SLOTS * BT, HEADS, D))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     caches = {name: torch.zeros(2, PAGED, HEADS, D) for name in names}
     context = SimpleNamespace(no_compile_layers={name: Layer() for name in names})
@@ -61,7 +66,7 @@ def _check(pool, caches, op):
     rows = torch.from_numpy(op.host_rows)
     slots = torch.from_numpy(op.paged_slots)
     for layer, cache in enumerate(caches.values()):
-        key, value = pool.read_rows(layer, rows)
+        key, value = pool.read_rows(layer, rows)  # fp8 pools: dequantized (float32 here: no rounding)
         if op.rope_deltas is not None:
             key = rotate_keys(key, torch.from_numpy(op.rope_deltas), ROPE)
         assert torch.equal(cache[0, slots], key) and torch.equal(cache[1, slots], value), f"layer {layer}"
@@ -76,9 +81,12 @@ def _run(restores, context, step_id, op, order=()):
     assert not restores.layerwise
 
 
+@pytest.mark.parametrize("codec", ["exact", "fp8"])
 @pytest.mark.parametrize("deltas", [None, "moved"])
-def test_every_planned_token_lands_in_its_paged_slot(deltas):
-    pool, caches, context, restores = _setup()
+def test_every_planned_token_lands_in_its_paged_slot(deltas, codec):
+    """fp8 pools: the fp8 bytes and scales move, K/V are dequantized and keys
+    rotated in float32 on the device: what lands is the dequantized pool's."""
+    pool, caches, context, restores = _setup(codec=codec)
     op = _op(None if deltas is None else np.arange(len(_op().host_rows), dtype=np.int64) * 7 - 50)
     _run(restores, context, 1, op, order=list(caches)[::-1])
     _check(pool, caches, op)
