@@ -57,3 +57,30 @@ def test_fp8_greedy_continuation_starts_as_the_exact_workspaces(sessions):
     assert exact["steps"][0]["output_token_ids"] == fp8["steps"][0]["output_token_ids"]  # nothing restored yet
     for e, f in zip(exact["steps"][1:], fp8["steps"][1:]):
         assert f["output_token_ids"][:SAME_FIRST_TOKENS] == e["output_token_ids"][:SAME_FIRST_TOKENS]
+
+
+def test_fp8_blocks_come_back_from_nvme_after_a_restart_and_never_to_an_exact_server(tmp_path, model_dir, essay):
+    """A first engine with fp8 and an NVMe tier writes its blocks behind; a
+    second fp8 engine on the same folder restores the session's first prompt
+    from NVMe (records with their scales, checksums verified) and continues
+    as the first did; an exact engine on the same folder finds none of them
+    (the codec is part of the model folder's fingerprint and of each record)."""
+    nvme = tmp_path / "nvme"
+
+    def run(codec, name):
+        sekv = {"host_bytes": "512M", "block_tokens": BLOCK_TOKENS, "workspace_codec": codec,
+                "nvme_dir": str(nvme), "nvme_bytes": "1G"}
+        spec = {"model": model_dir, "sekv": sekv, "turns": [essay[:3000]], "max_tokens": 16, "salt": "tenant-a",
+                "other_salt": "tenant-b", "dtype": "bfloat16", "reset": True}
+        return run_runner("session_runner.py", spec, tmp_path, name)
+
+    first = run("fp8", "fp8-first-life")
+    assert first["steps"][0]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0
+    second = run("fp8", "fp8-second-life")
+    step = second["steps"][0]
+    restored = step["kv_transfer_params"]["sekv"]["restored_tokens"]
+    assert restored.get("nvme", 0) > 0 and step["num_cached_tokens"] == sum(restored.values()), restored
+    assert step["output_token_ids"][:SAME_FIRST_TOKENS] == first["steps"][0]["output_token_ids"][:SAME_FIRST_TOKENS]
+    exact = run("exact", "exact-after-fp8")
+    assert sum(exact["steps"][0]["kv_transfer_params"]["sekv"]["restored_tokens"].values()) == 0
+    assert exact["steps"][0]["num_cached_tokens"] == 0
