@@ -143,6 +143,20 @@ def test_partial_slot_writes_keep_every_row_bounded(per_layer):
     assert len(all_rows) == BT and pool.take_failed_slots() == set()
 
 
+def test_rows_of_a_slot_no_write_started_are_empty_in_every_layer():
+    """Per-layer writes into a slot whose first row is not written yet: the
+    previous block's rows never enter any layer's scale or rows."""
+    pool = HostPool(2, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
+    pool.data.copy_(torch.full(pool.data.shape, 400.0).to(FP8_DTYPE))  # stale bytes, loud
+    pool.scales.fill_(1000.0 / FP8_MAX)
+    rows = torch.arange(BT + 2, BT + 5)
+    kv = _kv(3, seed=6, scale=0.1)
+    for layer in range(LAYERS):
+        pool.write_rows(layer, rows, kv[0, layer], kv[1, layer])
+    torch.testing.assert_close(pool.scales[1], kv.float().abs().amax(dim=-1).amax(dim=2) / FP8_MAX)
+    _check_rows_bounded(pool, rows, kv)
+
+
 def test_a_slots_first_row_starts_it_afresh():
     pool = HostPool(2, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
     pool.write_rows_all_layers(torch.arange(BT), _kv(BT, scale=1000.0))  # the slot's previous block: loud

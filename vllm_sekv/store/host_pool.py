@@ -25,13 +25,16 @@ cover every row it holds, so a write re-reads the slot's stored rows of the
 layers it writes, puts the new rows among them and requantizes the whole
 slot-layer at the new amax (rows stored before are rounded again only when
 the scale changes; each rounding's error is bounded, `store.fp8`). A write
-that includes a slot's first row (offset 0) starts the slot afresh: its other
-rows are treated as empty (zero) and must be written after it, as captures
-do (a block's tokens come in order). A slot given non-finite K/V is failed:
+that includes a slot's first row (offset 0) starts the slot afresh, in the
+layers it writes: its other rows are treated as empty (zero) and must be
+written after it, as captures do (a block's tokens come in order); so are
+the other rows of a slot-layer no write has started yet, whatever its bytes
+hold. A slot given non-finite K/V is failed:
 its scales become NaN (any read of it is NaN, never plausible KV) and it is
 reported by `take_failed_slots()`; the capture then fails it (a miss,
 recomputed). Later partial writes keep it NaN (and failed) until its first
-row is written again.
+row is written again. A slot filled whole by an NVMe read is complete (it is
+not written in part afterwards; a write would have to start it again).
 """
 from __future__ import annotations
 
@@ -76,9 +79,10 @@ class HostPool:
         self.codec = codec
         self.dtype = dtype  # what writers give and readers get back
         self.failed: set[int] = set()  # fp8: slots given non-finite K/V
-        # fp8: slots a write has started (its first row, or the whole slot);
-        # the other rows of a slot not started are empty, whatever its bytes.
-        self._started = np.zeros(num_slots if codec == "fp8" else 0, dtype=bool)
+        # fp8: per slot and layer, whether a write has started it (its first
+        # row, or the whole slot); the other rows of a slot-layer not started
+        # are empty, whatever its bytes.
+        self._started = np.zeros((num_slots, num_layers) if codec == "fp8" else (0, 0), dtype=bool)
         storage = FP8_DTYPE if codec == "fp8" else dtype
         shape = (num_slots, 2, num_layers, block_tokens, kv_heads, head_dim)
         self.data = self._alloc(shape, storage, pin_memory)
@@ -196,9 +200,10 @@ class HostPool:
         slot_of, offsets = rows[rest] // bt, rows[rest] % bt
         slots, where = torch.unique(slot_of, return_inverse=True)
         current = dequantize(self.data[:, :, layers][slots], self.scales[:, :, layers][slots], token_dim=3)
-        fresh = ~torch.from_numpy(self._started[slots.numpy()])
+        fresh = ~torch.from_numpy(self._started[slots.numpy(), layers])  # [m, L']
         fresh[where[offsets == 0]] = True
-        current[fresh] = 0.0  # a slot's first row starts it: its other rows are not its block's yet
+        # a slot's first row starts it: its other rows are not its block's yet
+        current.masked_fill_(fresh[:, None, :, None, None, None], 0.0)
         current[where, :, :, offsets] = kv[rest.to(kv.device)].to(device="cpu", dtype=torch.float32)
         self._store_slots(slots, layers, current)
 
@@ -213,7 +218,7 @@ class HostPool:
             self.failed.update(slots[bad].tolist())
         self.data[slots, :, layers] = q
         self.scales[slots, :, layers] = scale
-        self._started[slots.numpy()] = True
+        self._started[slots.numpy(), layers] = True
 
     def slot_runs(self, rows: torch.Tensor) -> "SlotRuns":
         """Split `rows` into runs of whole consecutive slots, each given in
