@@ -18,7 +18,7 @@ averaged) with the history's K/V replaced by the fp8 round trip (the new
 tokens' own K/V exact); the bytes per token of both codecs. Writes OUT.json
 and OUT.md::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/codecs/fp8_error.py
+    OMP_NUM_THREADS=1 python benchmarks/codecs/fp8_error.py
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def main() -> None:
         "attn_rel": stats([x for t in per_text for x in t["attn"]]),
         "bytes_per_token": {"exact": bytes_exact, "fp8": bytes_fp8, "ratio": bytes_fp8 / bytes_exact},
     }
-    command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/codecs/fp8_error.py " + " ".join(sys.argv[1:])
+    command = H.command(__file__, prefix="OMP_NUM_THREADS=1 python")
     res = {"command": command, "meta": H.meta(command), "args": vars(args),
            "setup": {"model": "SmolLM2-135M-Instruct (fp32 capture, cast to --dtype)", "layers": int(num_layers),
                      "kv_heads": int(heads), "head_dim": int(dim)},
