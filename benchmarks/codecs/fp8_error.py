@@ -138,7 +138,7 @@ def main() -> None:
              f"{args.block_tokens}-token blocks, last {args.new_tokens} tokens as queries.", "",
              "| quantity | mean | p90 | max |", "|---|---|---|---|", *rows, "",
              f"Host bytes per token: exact {b['exact']:.0f}, fp8 {b['fp8']:.0f} (ratio {b['ratio']:.3f}).", ""]
-    H.write_report(args.out + ".md", H.header("fp8 workspace codec error", command) + table)
+    H.write_report(args.out + ".md", H.header_from(res["meta"], "fp8 workspace codec error") + table)
     print("\n".join(table))
     print(f"wrote {args.out}.json / .md in {res['elapsed_s']:.0f} s")
 
