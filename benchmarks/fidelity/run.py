@@ -56,6 +56,7 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-q16": {"probe_query_tokens": 16},
     "views-rerank-ctx1": {"rerank_blocks": 1024, "view_context_blocks": 1},
     "views-rerank-lex": {"rerank_blocks": 1024, "lexical_weight": 1.0},
+    "views-rerank-fp8": {"rerank_blocks": 1024, "workspace_codec": "fp8"},  # the view restored from fp8 K/V
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},

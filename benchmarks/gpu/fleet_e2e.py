@@ -1,6 +1,7 @@
 """A fleet of agents at once: concurrent sessions on one device whose KV cache
 cannot hold them all, served by plain vLLM (its prefix cache only), vLLM's
-native `OffloadingConnector` and sekv, each engine with the same host bytes.
+native `OffloadingConnector` and sekv (`sekv`: the exact workspace, `sekv-fp8`:
+`workspace_codec` fp8), each engine with the same host bytes.
 
     python benchmarks/gpu/fleet_e2e.py --engines plain native sekv --sessions 16 \\
         --first-tokens 16384 --step-tokens 2048 --steps 4 [--out benchmarks/results/fleet/report]
@@ -51,7 +52,7 @@ import report_header as H  # noqa: E402
 from restore_e2e import model_folder  # noqa: E402
 
 TITLE = "A fleet of agents: concurrent sessions on a KV cache too small for them all"
-ENGINES = ("plain", "native", "sekv")
+ENGINES = ("plain", "native", "sekv", "sekv-fp8")
 
 
 def engine_main(spec: dict) -> None:
@@ -68,9 +69,9 @@ def engine_main(spec: dict) -> None:
     if spec["engine"] == "native":
         kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                         "kv_connector_extra_config": {"cpu_bytes_to_use": spec["host_bytes"]}}
-    elif spec["engine"] == "sekv":
-        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {"host_bytes": spec["host_bytes"]}}
+    elif spec["engine"].startswith("sekv"):
+        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both", "kv_connector_extra_config": {
+            "host_bytes": spec["host_bytes"], "workspace_codec": codec_of(spec["engine"])}}
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     samples: list[dict] = []
@@ -195,6 +196,11 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
     return summarize(spec, measured["steps"], measured["samples"], memory)
 
 
+def codec_of(engine: str) -> str:
+    """The workspace codec of an engine name: `sekv` exact, `sekv-fp8` fp8, `-` for the others."""
+    return {"sekv": "exact", "sekv-fp8": "fp8"}.get(engine, "-")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -211,7 +217,7 @@ def summarize(spec: dict, steps: list[dict], samples: list[dict], memory: PeakMe
         for k, v in x["connector"].items():
             connector[k] = connector.get(k, 0) + v
     return {
-        "engine": spec["engine"], "codec": "exact" if spec["engine"] == "sekv" else "-",
+        "engine": spec["engine"], "codec": codec_of(spec["engine"]),
         "sessions": spec["sessions"], "steps_counted": len(counted),
         "steps_per_s": round(len(counted) / span, 4),
         "tokens_per_s": round(sum(s["generated_tokens"] for s in counted) / span, 2),
@@ -259,16 +265,18 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
     if figures:
         lines += ["", "The connectors' own figures over the span (summed over the engine's steps):", "", *figures]
     by = {r["engine"]: r for r in rows}
-    if "sekv" in by and "native" in by:
-        s, n = by["sekv"], by["native"]
-        lines += ["", f"sekv against native offloading, measured in this run: throughput "
-                  f"{s['steps_per_s'] / n['steps_per_s']:.2f}x, p99 time to first token "
-                  f"{s['ttft_p99_s'] / n['ttft_p99_s']:.2f}x."]
+    for name in ("sekv", "sekv-fp8"):
+        if name in by and "native" in by:
+            s, n = by[name], by["native"]
+            lines += ["", f"{name} against native offloading, measured in this run: throughput "
+                      f"{s['steps_per_s'] / n['steps_per_s']:.2f}x, p99 time to first token "
+                      f"{s['ttft_p99_s'] / n['ttft_p99_s']:.2f}x."]
     out.parent.mkdir(parents=True, exist_ok=True)
     H.write_report(out.with_suffix(".md"), lines)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    summary = [{k: r[k] for k in ("engine", "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
-                                  "ttft_p99_s")} for r in rows]
+    summary = [{"engine": r["engine"].split("-")[0],
+                **{k: r[k] for k in ("codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s")}}
+               for r in rows]
     (out.parent / "summary.json").write_text(json.dumps(
         {"machine": meta["machine"], "commit": meta["commit"], "rows": summary}, indent=1) + "\n")
     print("\n".join(lines), flush=True)

@@ -24,13 +24,20 @@ process, one after the other, in this one invocation:
                and the forward pass. No restore can beat it; a restore's TTFT
                minus this is what the restore costs.
 
+The sekv engines run once per workspace codec of `--codecs` (default
+`exact`; `fp8`: `workspace_codec` fp8, half the bytes per token).
+
 Each repeat's new tokens are fresh (so `warm` never hits its own earlier step).
 Also measured in the same run: pinned host->device copy bandwidth (1 GiB,
 median of 5), which bounds any restore from host memory, and the bandwidth of
 the pitched copies a layerwise restore makes (one layer of 256 consecutive
 4 MiB slots per K/V copy). Writes OUT.json and OUT.md (default
 benchmarks/results/gpu_restore/report), the Markdown headed by the machine,
-commit and command (`benchmarks/report_header.py`). No figure is estimated:
+commit and command (`benchmarks/report_header.py`), and `summary.json` beside
+them: `{"machine", "commit", "rows": [{"engine", "codec", "history_tokens",
+"ttft_s", "bound_s"}]}` for `plain`, `native`, `sekv-host` and `sekv-disk`
+(`bound_s`: the history's bytes under the row's codec, bf16 for the others,
+at the measured pinned bandwidth). No figure is estimated:
 every number is measured here. `--merge A.json B.json` writes one report from
 runs made apart (e.g. lengths on two machines).
 """
@@ -193,7 +200,8 @@ def engine_main(spec: dict) -> None:
             times.append(seconds)
             cached.append(out.num_cached_tokens)
             params_seen = out.kv_transfer_params
-        rows.append({"engine": spec["engine"], "history_tokens": length, "ttft_s": statistics.median(times),
+        rows.append({"engine": spec["engine"], "codec": spec.get("codec", "-"), "history_tokens": length,
+                     "ttft_s": statistics.median(times),
                      "ttft_all_s": times, "num_cached_tokens": cached, "kv_transfer_params": params_seen})
         if spec.get("timers") and spec["phase"] != "capture":
             rows[-1]["timers"] = timers  # of the last repeat
@@ -225,7 +233,7 @@ def wait_for_records(llm, generate, spec: dict, timeout_s: float = 240.0) -> Non
 
 
 def run_engine(spec: dict, workdir: Path) -> list[dict]:
-    path = workdir / f"{spec['engine']}-{spec['phase']}.json"
+    path = workdir / f"{spec['engine']}-{spec.get('codec', '-')}-{spec['phase']}.json"
     spec = {**spec, "out": str(path.with_suffix(".rows.json"))}
     path.write_text(json.dumps(spec))
     in_process = spec.get("timers") or spec.get("sync_audit")  # where they can watch the engine
@@ -239,8 +247,8 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
 
 def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argparse.Namespace, out: Path,
            meta: dict | None = None) -> None:
-    by = {(r["engine"], r["history_tokens"]): r for r in rows}
-    kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
+    by = {(r["engine"], r["history_tokens"]): r for r in rows if codec_of(r) in ("-", "exact")}
+    kv_bytes_per_token = bytes_per_token("exact")
     meta = meta or H.meta(H.command(__file__))
     lengths = sorted({r["history_tokens"] for r in rows}) or args.lengths
     lines = [
@@ -283,6 +291,26 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
         cells.append(cell(None if host is None or t("plain") is None else t("plain") / host, "{:.1f}x"))
         cells.append(cell(None if host is None else bound / host, "{:.2f}"))
         lines.append("| " + " | ".join(cells) + " |")
+    fp8 = {(r["engine"], r["history_tokens"]): r for r in rows if codec_of(r) == "fp8"}
+    if fp8:
+        lines += ["", "The fp8 workspace (`workspace_codec` fp8: float8 K/V with a scale per block, layer and KV head; "
+                  "the bound at its bytes per token):", "",
+                  "| history | sekv host fp8 | sekv disk fp8 | fp8 bound | sekv restore fp8 | native / sekv fp8 | "
+                  "sekv exact / sekv fp8 |", "|---|---|---|---|---|---|---|"]
+        for length in lengths:
+            host = (fp8.get(("sekv-host", length)) or {}).get("ttft_s")
+            disk = (fp8.get(("sekv-disk", length)) or {}).get("ttft_s")
+            restore_ms = (((fp8.get(("sekv-host", length)) or {}).get("kv_transfer_params") or {})
+                          .get("sekv", {}).get("restore_ms"))
+            native = (by.get(("native", length)) or {}).get("ttft_s")
+            exact = (by.get(("sekv-host", length)) or {}).get("ttft_s")
+            cells = [f"{length // 1024}K", "—" if host is None else f"{host:.3f} s",
+                     "—" if disk is None else f"{disk:.3f} s",
+                     f"{length * bytes_per_token('fp8') / bandwidth:.3f} s",
+                     "—" if restore_ms is None else f"{restore_ms / 1000:.3f} s",
+                     "—" if host is None or native is None else f"{native / host:.2f}x",
+                     "—" if host is None or exact is None else f"{exact / host:.2f}x"]
+            lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Per engine and length: every repeat's time and vLLM's `num_cached_tokens` are in the JSON."]
     for length in lengths:
         timed = [r for r in rows if r["history_tokens"] == length and "timers" in r]
@@ -315,7 +343,33 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
         "commands": meta["commands"],
         # runs the report's History table quotes (hand-added), kept when the report is written again
         **({"earlier_runs": old["earlier_runs"]} if old.get("earlier_runs") else {})}, indent=1))
+    summary = [{"engine": r["engine"], "codec": codec_of(r), "history_tokens": r["history_tokens"],
+                "ttft_s": round(r["ttft_s"], 4),
+                "bound_s": round(r["history_tokens"] * bytes_per_token(codec_of(r)) / bandwidth, 4)}
+               for r in rows if r["engine"] in ("plain", "native", "sekv-host", "sekv-disk")]
+    (out.parent / "summary.json").write_text(json.dumps(
+        {"machine": meta["machine"], "commit": meta["commit"], "rows": summary}, indent=1) + "\n")
     print("\n".join(lines), flush=True)
+
+
+def codec_of(row: dict) -> str:
+    """A row's workspace codec: `-` for engines without one (rows from runs
+    before codecs were recorded are sekv's exact)."""
+    if not row["engine"].startswith("sekv"):
+        return "-"
+    return row.get("codec", "exact")
+
+
+def bytes_per_token(codec: str) -> float:
+    """Host bytes per token of the benchmark's geometry under `codec` (bf16 for `-` and `exact`)."""
+    import torch
+
+    from vllm_sekv.config import SekvConfig
+    from vllm_sekv.store.host_pool import HostPool
+
+    block_tokens = SekvConfig().block_tokens
+    return HostPool.bytes_per_block(32, block_tokens, 8, 128, torch.bfloat16,
+                                    "fp8" if codec == "fp8" else "exact") / block_tokens
 
 
 def merged_meta(runs: list[dict], merge_command: str) -> dict:
@@ -339,6 +393,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--native-cpu-gib", type=int, default=60)
     ap.add_argument("--host-bytes", default="48G")
+    ap.add_argument("--codecs", nargs="+", choices=["exact", "fp8"], default=["exact"],
+                    help="workspace codecs: each sekv engine runs once per codec")
     ap.add_argument("--nvme-dir", default="/tmp/sekv_nvme")
     ap.add_argument("--timeout-s", type=int, default=480)
     ap.add_argument("--timers", action="store_true",
@@ -370,15 +426,20 @@ def main() -> None:
             "timers": args.timers, "sync_audit": args.sync_audit}
     rows: list[dict] = []
     for engine in args.engines:
-        if engine == "sekv-disk":
-            sekv = {"host_bytes": args.host_bytes, "nvme_dir": args.nvme_dir}
-            run_engine({**base, "engine": engine, "sekv": sekv, "phase": "capture"}, workdir)
-            rows += run_engine({**base, "engine": engine, "sekv": sekv, "phase": "restore"}, workdir)
-        else:
-            sekv = {"host_bytes": args.host_bytes}
+        if not engine.startswith("sekv"):
+            rows += run_engine({**base, "engine": engine}, workdir)
+            continue
+        for codec in args.codecs:
+            sekv = {"host_bytes": args.host_bytes, "workspace_codec": codec}
+            if engine == "sekv-disk":
+                sekv["nvme_dir"] = args.nvme_dir
+                run_engine({**base, "engine": engine, "codec": codec, "sekv": sekv, "phase": "capture"}, workdir)
+                rows += run_engine({**base, "engine": engine, "codec": codec, "sekv": sekv, "phase": "restore"},
+                                   workdir)
+                continue
             if engine == "sekv-batched":
                 sekv["restore_mode"] = "batched"
-            rows += run_engine({**base, "engine": engine, "sekv": sekv}, workdir)
+            rows += run_engine({**base, "engine": engine, "codec": codec, "sekv": sekv}, workdir)
     report(rows, bandwidth, pitched, args, Path(args.out))
 
 

@@ -31,7 +31,9 @@ gain from the connector's own cost.
 
 Writes OUT.json and OUT.md (default benchmarks/results/gpu_views/report), the
 Markdown headed by the machine, commit and command
-(`benchmarks/report_header.py`); `--merge A.json B.json` writes one report
+(`benchmarks/report_header.py`), and `summary.json` beside them (one flat row
+per sekv engine and size: `summary_rows`); `--sekv '{"workspace_codec":
+"fp8"}'` serves the session from the fp8 workspace; `--merge A.json B.json` writes one report
 from runs made apart.
 """
 from __future__ import annotations
@@ -195,7 +197,8 @@ def engine_main(spec: dict) -> None:
             grow = session.run(history[:size] + question(), 1, extra)
             print(f"[{engine}] session grown to {size}: {grow['total_s']:.1f} s, {grow['kv_transfer_params']}", flush=True)
             steps = [session.run(history[:size] + question(), 1, extra) for _ in range(spec["steps"])]
-            row = {"engine": engine, "session_tokens": size, "grow_s": grow["total_s"], "steps": steps,
+            row = {"engine": engine, "codec": spec["sekv"].get("workspace_codec", "exact"), "session_tokens": size,
+                   "grow_s": grow["total_s"], "steps": steps,
                    "ttft_s": statistics.median(s["ttft_s"] for s in steps), "memory": gpu_memory()}
             if size == max(spec["sizes"]):
                 row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
@@ -300,7 +303,36 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
     H.write_report(out.with_suffix(".md"), lines)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                     "command": " && ".join(meta["commands"])}, indent=1))
+    (out.parent / "summary.json").write_text(json.dumps(
+        {"machine": meta["machine"], "commit": meta["commit"], "rows": summary_rows(rows, args)}, indent=1) + "\n")
     print("\n".join(lines), flush=True)
+
+
+def summary_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """One flat row per sekv engine and session size: the median step's time
+    to first token, decode speed against plain vLLM's (measured at the largest
+    size only, else None), GPU memory allocated, and the view's blocks: all
+    moved from host memory (`moved_blocks`, the last step's restored tokens
+    over the block size); `resident_blocks` (placed from a GPU-resident pool)
+    is 0, there being no such pool."""
+    plain = next((r for r in rows if r["engine"] == "plain"), None)
+    plain_decode = (plain or {}).get("decode", {}).get("decode_s_per_token")
+    out = []
+    for r in rows:
+        if not r["engine"].startswith("sekv"):
+            continue
+        params = (r["steps"][-1].get("kv_transfer_params") or {}).get("sekv", {})
+        restored = params.get("restored_tokens", 0)
+        restored = sum(restored.values()) if isinstance(restored, dict) else restored
+        block_tokens = params.get("view", {}).get("block_tokens") or 32
+        decode = r.get("decode", {}).get("decode_s_per_token")
+        out.append({"engine": r["engine"], "codec": r.get("codec", "exact"), "session_tokens": r["session_tokens"],
+                    "view_tokens": args.view_tokens, "ttft_s": round(r["ttft_s"], 4),
+                    "decode_ms_per_token": None if decode is None else round(decode * 1e3, 3),
+                    "plain_decode_ms_per_token": None if plain_decode is None else round(plain_decode * 1e3, 3),
+                    "gpu_gib": round(r["memory"]["allocated_gib"], 2),
+                    "moved_blocks": restored // block_tokens, "resident_blocks": 0})
+    return out
 
 
 def timer_tables(rows: list[dict]) -> list[str]:

@@ -131,7 +131,7 @@ case $step in
       --view-tokens 65536 --steps 2 --decode-tokens 128 --cuda-graphs --timeout-s 280 --out "$OUT/views" "$@"
     log "views done" ;;
   fleet)  # many agents at once: benchmarks/results/fleet/
-    run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --engines plain native sekv --timeout-s 180 \
+    run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --engines plain native sekv sekv-fp8 --timeout-s 140 \
       --out "$OUT/fleet" "$@"
     log "fleet done" ;;
   *)
