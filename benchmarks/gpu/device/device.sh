@@ -17,11 +17,11 @@
 #   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT
 #                   (FID=/tmp/fidN before `bash`: a second evaluation beside the first,
 #                   started once the first one's servers are up)
-#   restore [ARGS]  benchmarks/gpu/restore_e2e.py as in benchmarks/results/gpu_restore/
+#   restore [ARGS]  benchmarks/gpu/restore_e2e.py as in benchmarks/results/gpu_restore/ (`--codecs exact fp8`: both workspaces)
 #                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
 #                   (a 512K session from 64K views, CUDA graphs), report to $OUT/views.*
-#   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: plain, native and sekv serving 16 concurrent
+#   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: plain, native, sekv and sekv-fp8 serving concurrent
 #                   sessions, report and summary to $OUT/fleet.*, $OUT/summary.json
 #
 # Every step writes its log under $OUT and prints how long it took. Reports name
