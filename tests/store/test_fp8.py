@@ -116,10 +116,10 @@ def test_whole_slot_writes_read_back_within_the_bound():
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["all-layers", "per-layer"])
-def test_partial_slot_writes_keep_every_row_bounded(per_layer):
+def test_partial_slot_writes_wait_in_the_tail_and_are_quantized_once(per_layer):
     """A block written a few rows at a time, each step louder than the last:
-    its scale grows and the rows stored before are requantized, every row stays
-    within two roundings (stored, then requantized at the larger scale)."""
+    its rows read back as written until the block is complete, then it is
+    quantized once, with one scale over every row (one rounding each)."""
     pool = HostPool(4, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
     pool.data.fill_(float("nan"))  # stale bytes of a reused slot must not matter
     slot = 2
@@ -134,40 +134,62 @@ def test_partial_slot_writes_keep_every_row_bounded(per_layer):
         else:
             pool.write_rows_all_layers(rows, kv)
         written.append((rows, kv))
-        for r, k in written:
-            _check_rows_bounded(pool, r, k, rounds=2)
-    all_rows = torch.cat([r for r, _ in written])
+        if hi < BT:  # incomplete: every row as written, the rest empty
+            k, v = pool.read_rows_all_layers(torch.arange(slot * BT, slot * BT + BT))
+            so_far = torch.cat([w for _, w in written], dim=2)
+            assert torch.equal(k[:hi], so_far[0].transpose(0, 1)) and torch.equal(v[:hi], so_far[1].transpose(0, 1))
+            assert bool((k[hi:] == 0).all()) and bool((v[hi:] == 0).all())
+    for r, k in written:
+        _check_rows_bounded(pool, r, k, rounds=1)
     all_kv = torch.cat([k for _, k in written], dim=2).float()
     amax = all_kv.abs().amax(dim=-1).amax(dim=2)  # [2, L, H]
     torch.testing.assert_close(pool.scales[slot], amax / FP8_MAX)  # the scale covers every row
-    assert len(all_rows) == BT and pool.take_failed_slots() == set()
+    assert pool.take_failed_slots() == set() and not pool._tails
 
 
-def test_rows_of_a_slot_no_write_started_are_empty_in_every_layer():
-    """Per-layer writes into a slot whose first row is not written yet: the
-    previous block's rows never enter any layer's scale or rows."""
+def test_a_write_into_a_block_whose_first_rows_are_gone_fails_its_slot():
+    """Rows of a block that no tail holds and that the write does not start
+    (offset 0): its earlier rows are gone, so the slot is failed and nothing
+    of it changes."""
     pool = HostPool(2, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
-    pool.data.copy_(torch.full(pool.data.shape, 400.0).to(FP8_DTYPE))  # stale bytes, loud
-    pool.scales.fill_(1000.0 / FP8_MAX)
+    pool.write_rows_all_layers(torch.arange(BT, 2 * BT), _kv(BT, scale=1000.0))
+    before = pool.data[1].clone(), pool.scales[1].clone()
     rows = torch.arange(BT + 2, BT + 5)
     kv = _kv(3, seed=6, scale=0.1)
     for layer in range(LAYERS):
         pool.write_rows(layer, rows, kv[0, layer], kv[1, layer])
-    torch.testing.assert_close(pool.scales[1], kv.float().abs().amax(dim=-1).amax(dim=2) / FP8_MAX)
-    _check_rows_bounded(pool, rows, kv)
+    assert pool.take_failed_slots() == {1}
+    assert torch.equal(pool.data[1].view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(pool.scales[1], before[1])
 
 
 def test_a_slots_first_row_starts_it_afresh():
     pool = HostPool(2, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
     pool.write_rows_all_layers(torch.arange(BT), _kv(BT, scale=1000.0))  # the slot's previous block: loud
-    rows = torch.arange(0, 3)
-    kv = _kv(3, seed=5, scale=0.1)
-    pool.write_rows_all_layers(rows, kv)
-    amax = kv.float().abs().amax(dim=-1).amax(dim=2)
-    torch.testing.assert_close(pool.scales[0], amax / FP8_MAX)  # not the old block's scale
-    _check_rows_bounded(pool, rows, kv)
+    kv = _kv(BT, seed=5, scale=0.1)
+    pool.write_rows_all_layers(torch.arange(0, 3), kv[:, :, :3])
     k, _ = pool.read_rows_all_layers(torch.arange(3, BT))
     assert bool((k == 0).all())  # rows not written yet are empty, not the old block's
+    pool.write_rows_all_layers(torch.arange(3, BT), kv[:, :, 3:])
+    amax = kv.float().abs().amax(dim=-1).amax(dim=2)
+    torch.testing.assert_close(pool.scales[0], amax / FP8_MAX)  # not the old block's scale
+    _check_rows_bounded(pool, torch.arange(BT), kv)
+
+
+def test_tails_are_bounded_and_a_dropped_block_fails_when_written_again(monkeypatch):
+    """Past `TAIL_BLOCKS` incomplete blocks the least recently written tail
+    is dropped; a later write into that block fails its slot."""
+    import vllm_sekv.store.host_pool as host_pool
+
+    monkeypatch.setattr(host_pool, "TAIL_BLOCKS", 2)
+    pool = HostPool(4, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
+    for slot in (0, 1, 2):  # three blocks started, two tails kept
+        pool.write_rows_all_layers(torch.arange(slot * BT, slot * BT + 2), _kv(2, seed=slot))
+    assert sorted(pool._tails) == [1, 2] and pool.take_failed_slots() == set()
+    pool.write_rows_all_layers(torch.arange(2, 4), _kv(2))  # block 0 goes on: its first rows are gone
+    assert pool.take_failed_slots() == {0}
+    pool.write_rows_all_layers(torch.arange(BT + 2, 2 * BT), _kv(BT - 2))  # block 1 completes
+    assert sorted(pool._tails) == [2] and pool.take_failed_slots() == set()
 
 
 def test_non_finite_kv_fails_its_slot_and_never_reads_back_plausible():
@@ -181,11 +203,13 @@ def test_non_finite_kv_fails_its_slot_and_never_reads_back_plausible():
     assert v.shape == (BT, HEADS, DIM)
     assert bool(v[:, 1].isnan().all()) and bool(v[:, 0].isfinite().all()) and bool(k.isfinite().all())
     _check_rows_bounded(pool, torch.arange(BT), kv[:, :, :BT])  # slot 0 unaffected
-    # a partial write into the failed block keeps it failed; its first row starts it afresh
-    pool.write_rows_all_layers(torch.arange(BT + 4, BT + 5), _kv(1))
-    assert pool.take_failed_slots() == {1}
-    pool.write_rows_all_layers(torch.arange(BT, BT + 2), _kv(2))
+    # a block completed from partial writes is checked when it is quantized
+    bad = _kv(BT, seed=9)
+    bad[0, 0, 5, 0, 0] = float("nan")
+    pool.write_rows_all_layers(torch.arange(2 * BT, 2 * BT + 4), bad[:, :, :4])
     assert pool.take_failed_slots() == set()
+    pool.write_rows_all_layers(torch.arange(2 * BT + 4, 3 * BT), bad[:, :, 4:])
+    assert pool.take_failed_slots() == {2}
 
 
 # ------------------------------------------------------------------ restores

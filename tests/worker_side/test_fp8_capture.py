@@ -1,8 +1,8 @@
 """A step's capture into an fp8 host tier (`workspace_codec` fp8), through the
 worker's `ForwardCapture` on the CPU: finite blocks are stored, a block whose
-K/V is not finite fails its slot in the step's report (a miss, never
-committed, never stored wrong), and the other slots of the step are not
-affected."""
+K/V is not finite fails its slot in the report of the step that completes it
+(a miss, never committed, never stored wrong), and the other slots of the
+step are not affected."""
 import numpy as np
 import torch
 
@@ -30,7 +30,7 @@ def _step(poison_layer=None):
     g = torch.Generator().manual_seed(0)
     kv = torch.randn(LAYERS, 2, len(host_rows), HEADS, D, generator=g).to(torch.bfloat16)
     if poison_layer is not None:
-        kv[poison_layer, 0, BT + 1, 1, 3] = float("nan")  # slot 5's K, one element
+        kv[poison_layer, 0, 1, 1, 3] = float("nan")  # slot 2's K, one element
     for layer in range(LAYERS):
         capture.take(layer, kv[layer, 0], kv[layer, 1])
     capture.flush(plan, forward_begun=True)
@@ -49,7 +49,7 @@ def test_finite_blocks_are_stored_and_no_slot_fails():
 
 def test_a_block_with_non_finite_kv_fails_its_slot_only():
     pool, capture, stats, host_rows, kv = _step(poison_layer=1)
-    assert capture.take_failed() == {5}
+    assert capture.take_failed() == {2}
     assert stats.data["capture_failures"] == 1
-    k, _ = pool.read_rows_all_layers(torch.from_numpy(host_rows[:BT]))  # slot 2: stored as usual
+    k, _ = pool.read_rows_all_layers(torch.from_numpy(host_rows[BT:]))  # slot 5: begun as usual
     assert bool(k.isfinite().all())

@@ -36,10 +36,10 @@ positions and stores the buffer at the capture's host rows:
 * Elsewhere, and on any device with an fp8 pool (`workspace_codec` fp8):
   synchronously (`HostPool.write_rows_all_layers`). Under fp8 the whole
   slots of the capture are quantized where the buffer is (on CUDA only their
-  fp8 bytes and scales are copied to the host); rows of partly written slots
-  are copied in the model dtype and merged with the slot's stored rows on the
-  host. On CUDA these copies wait for the forward: fp8 captures do not
-  overlap the next step.
+  fp8 bytes and scales are copied to the host); rows of incomplete blocks are
+  copied in the model dtype into the blocks' tails on the host, each block
+  quantized once complete. On CUDA these copies wait for the forward: fp8
+  captures do not overlap the next step.
 
 A capture that did not see every layer is never written: `write` returns
 False and the caller fails its slots (never store a partial block).
@@ -123,8 +123,8 @@ class CaptureWriter:
     def __init__(self, pool: HostPool, device: torch.device) -> None:
         self.pool = pool
         self.stream: torch.cuda.Stream | None = None
-        # An fp8 pool is written on the host (quantized there, partial slots
-        # requantized with their stored rows): the synchronous path.
+        # An fp8 pool is written through the synchronous path (whole slots
+        # quantized where the capture is, incomplete blocks kept in tails).
         if (device.type == "cuda" and pool.scales is None and cudart.available()
                 and cudart.is_page_locked(pool.data)):
             self.stream = torch.cuda.Stream(device)

@@ -20,21 +20,25 @@ rows; readers (`read_rows*`, `slot_keys_on`, `block_keys`,
 `dequantized_slots`) get them back in `dtype`. Whoever moves raw slot bytes
 (`data`; restores, NVMe records) must move `scales` of the same slots too.
 
-fp8 writes of part of a slot (capture steps, row by row): a slot's scale must
-cover every row it holds, so a write re-reads the slot's stored rows of the
-layers it writes, puts the new rows among them and requantizes the whole
-slot-layer at the new amax (rows stored before are rounded again only when
-the scale changes; each rounding's error is bounded, `store.fp8`). A write
-that includes a slot's first row (offset 0) starts the slot afresh, in the
-layers it writes: its other rows are treated as empty (zero) and must be
-written after it, as captures do (a block's tokens come in order); so are
-the other rows of a slot-layer no write has started yet, whatever its bytes
-hold. A slot given non-finite K/V is failed:
-its scales become NaN (any read of it is NaN, never plausible KV) and it is
-reported by `take_failed_slots()`; the capture then fails it (a miss,
-recomputed). Later partial writes keep it NaN (and failed) until its first
-row is written again. A slot filled whole by an NVMe read is complete (it is
-not written in part afterwards; a write would have to start it again).
+fp8 writes of part of a slot (capture steps, a few rows at a time): a
+block's scale must cover every row it holds, so its rows wait in a *tail*, a
+copy of the slot in the model dtype kept beside the pool, until every row of
+a layer is written; that layer is then quantized once, with one scale over
+all its rows (one rounding per element, as for a whole slot). A write that
+includes a block's first row (offset 0) starts its tail afresh in the layers
+it writes (a block's tokens come in order, as captures write them); rows of
+a slot no tail holds are not written into it: a write that finds no tail and
+does not start one means the block's earlier rows are gone (its tail was
+dropped), and the slot is failed. At most `TAIL_BLOCKS` tails are kept; past
+that the least recently written one is dropped (the partial block of a
+request that ended is never completed). Readers of rows (`read_rows*`) see
+an incomplete layer's rows as written (zero where not written yet); readers
+of whole slots read the quantized bytes, which only complete blocks have
+(restores read committed blocks only).
+A slot given non-finite K/V is failed: its scales become NaN (any read of it
+is NaN, never plausible KV) and it is reported by `take_failed_slots()`; the
+capture then fails it (a miss, recomputed). A slot filled whole by an NVMe
+read is complete.
 """
 from __future__ import annotations
 
@@ -49,6 +53,19 @@ from vllm_sekv.store.fp8 import CODECS, FP8_DTYPE, dequantize, quantize
 from vllm_sekv.store.slot_runs import runs
 
 PAGE_BYTES = 4096
+# fp8: at most this many incomplete blocks wait in the model dtype (a tail
+# each, one block's K/V of every layer): about one per running request.
+TAIL_BLOCKS = 256
+
+
+@dataclass
+class _Tail:
+    """An incomplete fp8 block: its rows so far in the model dtype, `kv [2,
+    num_layers, block_tokens, kv_heads, head_dim]`, and which rows of which
+    layer are written, `written [num_layers, block_tokens]`."""
+
+    kv: torch.Tensor
+    written: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -78,11 +95,8 @@ class HostPool:
         self.block_tokens = block_tokens
         self.codec = codec
         self.dtype = dtype  # what writers give and readers get back
-        self.failed: set[int] = set()  # fp8: slots given non-finite K/V
-        # fp8: per slot and layer, whether a write has started it (its first
-        # row, or the whole slot); the other rows of a slot-layer not started
-        # are empty, whatever its bytes.
-        self._started = np.zeros((num_slots, num_layers) if codec == "fp8" else (0, 0), dtype=bool)
+        self.failed: set[int] = set()  # fp8: slots given non-finite K/V, or whose rows were lost
+        self._tails: dict[int, _Tail] = {}  # fp8: incomplete blocks by slot, least recently written first
         storage = FP8_DTYPE if codec == "fp8" else dtype
         shape = (num_slots, 2, num_layers, block_tokens, kv_heads, head_dim)
         self.data = self._alloc(shape, storage, pin_memory)
@@ -166,7 +180,7 @@ class HostPool:
         slots and one for the other rows. `kv` is a host tensor, or under fp8
         may be on a device: whole slots are quantized there (only their fp8
         bytes and scales come to the host, synchronously), the other rows are
-        copied over and merged on the host."""
+        copied over into their blocks' tails."""
         runs = runs if runs is not None else self.slot_runs(rows)
         if self.scales is not None:
             self._write_fp8(rows, kv.permute(2, 0, 1, 3, 4), runs, None)
@@ -185,8 +199,8 @@ class HostPool:
     def _write_fp8(self, rows: torch.Tensor, kv: torch.Tensor, runs: "SlotRuns", layer: int | None) -> None:
         """fp8: store `kv [n, 2, L', kv_heads, head_dim]` (L' = every layer,
         or 1 for `layer`) at `rows`: whole slots quantized as they are, the
-        other rows merged into their slots' stored rows and the slot-layers
-        requantized (see the module doc)."""
+        other rows into their slots' tails, each layer quantized once its
+        tail holds all its rows (see the module doc)."""
         bt = self.block_tokens
         layers = slice(None) if layer is None else slice(layer, layer + 1)
         rows = torch.as_tensor(rows, dtype=torch.int64).cpu()
@@ -194,18 +208,60 @@ class HostPool:
             part = kv[begin : begin + count * bt]  # [count * bt, 2, L', H, D]
             part = part.reshape(count, bt, *part.shape[1:]).permute(0, 2, 3, 1, 4, 5)  # [count, 2, L', bt, H, D]
             self._store_slots(torch.arange(first_slot, first_slot + count), layers, part)
+            for j, slot in enumerate(range(first_slot, first_slot + count)):
+                if slot in self._tails:
+                    self._settle_tail(slot, layers, part[j])
         rest = runs.rest
         if not len(rest):
             return
-        slot_of, offsets = rows[rest] // bt, rows[rest] % bt
-        slots, where = torch.unique(slot_of, return_inverse=True)
-        current = dequantize(self.data[:, :, layers][slots], self.scales[:, :, layers][slots], token_dim=3)
-        fresh = ~torch.from_numpy(self._started[slots.numpy(), layers])  # [m, L']
-        fresh[where[offsets == 0]] = True
-        # a slot's first row starts it: its other rows are not its block's yet
-        current.masked_fill_(fresh[:, None, :, None, None, None], 0.0)
-        current[where, :, :, offsets] = kv[rest.to(kv.device)].to(device="cpu", dtype=torch.float32)
-        self._store_slots(slots, layers, current)
+        slot_of, offsets = (rows[rest] // bt).numpy(), (rows[rest] % bt).numpy()
+        values = kv[rest.to(kv.device)].to(device="cpu", dtype=self.dtype)  # [m, 2, L', H, D]
+        for slot in np.unique(slot_of).tolist():
+            mine = np.nonzero(slot_of == slot)[0]
+            tail = self._tail_for(slot, layers, starts=bool((offsets[mine] == 0).any()))
+            if tail is None:
+                continue
+            at = torch.from_numpy(offsets[mine])
+            tail.kv[:, layers, at] = values[torch.from_numpy(mine)].permute(1, 2, 0, 3, 4)
+            tail.written[layers, offsets[mine]] = True
+            done = [l for l in range(self.data.shape[2])[layers] if tail.written[l].all()]
+            if len(done) == tail.written.shape[0]:  # every layer at once
+                self._store_slots(torch.tensor([slot]), slice(None), tail.kv[None])
+            else:
+                for l in done:
+                    self._store_slots(torch.tensor([slot]), slice(l, l + 1), tail.kv[None, :, l : l + 1])
+            if tail.written.all():
+                del self._tails[slot]
+
+    def _tail_for(self, slot: int, layers: slice, starts: bool) -> _Tail | None:
+        """The tail of `slot` for a partial write into `layers`, made the most
+        recently written; a write that `starts` the block empties those
+        layers of it first. None when there is no tail and the write does not
+        start one: the block's earlier rows are gone, and the slot is failed."""
+        tail = self._tails.pop(slot, None)
+        if tail is None:
+            if not starts:
+                self.failed.add(slot)
+                return None
+            while len(self._tails) >= TAIL_BLOCKS:
+                self._tails.pop(next(iter(self._tails)))
+            shape = (2, *self.data.shape[2:])
+            tail = _Tail(torch.zeros(shape, dtype=self.dtype), np.zeros(shape[1:3], dtype=bool))
+        elif starts:
+            tail.kv[:, layers] = 0
+            tail.written[layers] = False
+        self._tails[slot] = tail
+        return tail
+
+    def _settle_tail(self, slot: int, layers: slice, block: torch.Tensor) -> None:
+        """`slot` was written whole in `layers` (`block [2, L', bt, H, D]`):
+        its tail holds those rows too, or goes once it holds every row."""
+        tail = self._tails[slot]
+        tail.written[layers] = True
+        if tail.written.all():
+            del self._tails[slot]
+        else:
+            tail.kv[:, layers] = block.to(device="cpu", dtype=self.dtype)
 
     def _store_slots(self, slots: torch.Tensor, layers: slice, block: torch.Tensor) -> None:
         """Quantize `block [m, 2, L', bt, H, D]` (full precision, on any
@@ -218,7 +274,21 @@ class HostPool:
             self.failed.update(slots[bad].tolist())
         self.data[slots, :, layers] = q
         self.scales[slots, :, layers] = scale
-        self._started[slots.numpy(), layers] = True
+
+    def _overlay_tails(self, slots: torch.Tensor, offsets: torch.Tensor, layers: slice,
+                       k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows of an incomplete block read from its tail: `k`, `v [n, L',
+        H, D]` (or `[n, H, D]` for one layer) at `slots` / `offsets`, in each
+        layer the tail has not completed, take the tail's row (as written, or
+        zero: not written yet)."""
+        slots = np.asarray(slots)
+        for i in np.nonzero(np.isin(slots, list(self._tails)))[0].tolist():
+            tail, off = self._tails[int(slots[i])], int(offsets[i])
+            for l in range(self.data.shape[2])[layers]:
+                if not tail.written[l].all():
+                    at = (i, l) if k.dim() == 4 else (i,)
+                    k[at] = tail.kv[0, l, off].to(k.dtype)
+                    v[at] = tail.kv[1, l, off].to(v.dtype)
 
     def slot_runs(self, rows: torch.Tensor) -> "SlotRuns":
         """Split `rows` into runs of whole consecutive slots, each given in
@@ -248,7 +318,10 @@ class HostPool:
             return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
         s = self.scales[slots, :, layer, :, None]  # [n, 2, H, 1]: each row its slot's scales
         out = dtype or self.dtype
-        return (k.to(torch.float32) * s[:, 0]).to(out), (v.to(torch.float32) * s[:, 1]).to(out)
+        k, v = (k.to(torch.float32) * s[:, 0]).to(out), (v.to(torch.float32) * s[:, 1]).to(out)
+        if self._tails:
+            self._overlay_tails(slots, offsets, slice(layer, layer + 1), k, v)
+        return k, v
 
     def read_rows_all_layers(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V `[n, num_layers, kv_heads, head_dim]` of every layer at flat token rows (in `dtype`)."""
@@ -258,8 +331,11 @@ class HostPool:
             return k, v
         s = self.scales[slots]  # [n, 2, L, H]
         # [n, L, H, D] with [n, L, H] scales: a "token" dim of size one per row
-        return (dequantize(k.unsqueeze(2), s[:, 0], token_dim=2, dtype=self.dtype).squeeze(2),
-                dequantize(v.unsqueeze(2), s[:, 1], token_dim=2, dtype=self.dtype).squeeze(2))
+        k = dequantize(k.unsqueeze(2), s[:, 0], token_dim=2, dtype=self.dtype).squeeze(2)
+        v = dequantize(v.unsqueeze(2), s[:, 1], token_dim=2, dtype=self.dtype).squeeze(2)
+        if self._tails:
+            self._overlay_tails(slots, offsets, slice(None), k, v)
+        return k, v
 
     def dequantized_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Whole slots `[n, 2, num_layers, block_tokens, kv_heads, head_dim]` in `dtype` (a copy)."""
