@@ -16,6 +16,7 @@ from vllm_sekv.ops.coarse import coarse_kernel
 from vllm_sekv.ops.coarse import coarse_reference
 from vllm_sekv.ops.scoring import sub_block_reference
 from vllm_sekv.ops.scoring import sub_block_scoring as sub_blocks
+from vllm_sekv.store.fp8 import quantize as fp8_quantize
 
 torch.manual_seed(0)
 for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 96)]:
@@ -41,7 +42,6 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
 # float32, rounded once. fp16 caches: bit-identical to the reference; bf16
 # caches: within 2 bf16 ulps (the interpreter's float32 -> bfloat16 cast
 # rounds differently from torch's).
-from vllm_sekv.store.fp8 import quantize as fp8_quantize
 
 for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 96)]:
     for cache_dtype in (torch.float16, torch.bfloat16):
