@@ -6,14 +6,14 @@ Header (little-endian), then zeros to 4 KiB:
     block hash (16 B), tenant key (16 B), model fingerprint digest (32 B)
     start token (its virtual position), block tokens, layers, KV heads,
     head dim, dtype code, codec code, rank, payload bytes
+    checksum kind, checksum         over the identity above and the payload
+    header CRC32                    over every byte before it
+    surprisal count, its CRC32, float32 values (SeKV; optional metadata)
 
 Codec: `CODEC_EXACT` (the slot's bytes in the model dtype) or `CODEC_FP8`
 (`workspace_codec` fp8: the slot's e4m3 bytes, then its float32 scales). A
 reader of another codec rejects the header ("another layout, codec or
 rank"): fp8 blocks are never read as exact ones, nor the reverse.
-    checksum kind, checksum         over the identity above and the payload
-    header CRC32                    over every byte before it
-    surprisal count, its CRC32, float32 values (SeKV; optional metadata)
 
 The checksum covers the whole identity (what the block is, whose it is, which
 model wrote it, where it sits, how it is laid out) together with the payload,
