@@ -114,3 +114,28 @@ def test_under_an_fp8_kv_cache_outputs_equal_plain_vllm_and_the_history_is_resto
         assert s["num_cached_tokens"] == w["num_cached_tokens"]
     for step in sekv["steps"][1:]:
         assert step["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] > 0
+
+
+@pytest.mark.parametrize("restore_mode", ["layerwise", "batched"])
+def test_an_fp8_workspace_restores_the_history_with_half_the_bytes(tmp_path, runs, model_dir, essay, restore_mode):
+    """`workspace_codec` fp8 on CUDA: the same history is restored from the
+    fp8 host tier (captures quantized where they are, restores dequantized on
+    the device, layer by layer or batched), the restores move about half the
+    bytes per token of the exact workspace's, and the greedy continuation
+    starts as the exact workspace's (fp8 K/V is lossy: the first 8 tokens of
+    each restored step are compared)."""
+    _, _, exact, _ = runs
+    sekv = {**SEKV, "restore_mode": restore_mode, "workspace_codec": "fp8"}
+    turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
+    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24, "salt": "tenant-a",
+            "other_salt": "tenant-b", "dtype": "bfloat16", "reset": True, "metrics": True}
+    fp8 = run_runner("session_runner.py", spec, tmp_path, f"sekv-{restore_mode}-fp8-workspace")
+    m = fp8["metrics"]
+    assert m.get("vllm:sekv_restored_tokens", 0) > 0, m
+    per_token = m["vllm:sekv_restored_bytes"] / m["vllm:sekv_restored_tokens"]
+    exact_per_token = 2 * 30 * 3 * 64 * 2  # SmolLM2: K and V, 30 layers, 3 KV heads, head_dim 64, bf16
+    assert 0.5 <= per_token / exact_per_token < 0.52, per_token
+    assert fp8["steps"][0]["output_token_ids"] == exact["steps"][0]["output_token_ids"]
+    for e, f in zip(exact["steps"][1:], fp8["steps"][1:]):
+        assert f["num_cached_tokens"] == e["num_cached_tokens"]
+        assert f["output_token_ids"][:8] == e["output_token_ids"][:8]
