@@ -76,6 +76,7 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     # each selected block with its neighbours (a fact cut by a block boundary stays whole), the best recomputed
     "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16, "recompute_layout": "after_recent"}),
     "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64, "recompute_layout": "after_recent"}),
+    "views-rerank-ctx1-rcall-ord": ("views-rerank-ctx1", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
 }
 TTFT = "vllm:time_to_first_token_seconds"
 LINE_TOKENS = 64  # evidence this short must be in a view whole

@@ -30,7 +30,8 @@ vLLM stat logger), their mean length, the mean number of requests running
 and waiting, and the connector's figures summed (sekv: restored tokens,
 restore milliseconds, captured tokens). Each engine first serves one short
 request, so that no engine's timed steps pay its kernels' first
-compilation. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
+compilation. With `--timers`, the engine core's host time per engine step,
+by vLLM and sekv method (`host_timers.py`), over the same span. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
 `summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
 "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
 "ttft_p99_s"}]}`.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -181,7 +183,10 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
     path = workdir / f"{spec['engine']}.json"
     spec = {**spec, "out": str(path.with_suffix(".steps.json"))}
     path.write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, __file__, "--engine-spec", str(path)])
+    env = None
+    if spec.get("timers"):
+        env = timed_env(spec["timers"], workdir)
+    proc = subprocess.Popen([sys.executable, __file__, "--engine-spec", str(path)], env=env)
     memory = PeakMemory(proc.pid)
     try:
         rc = proc.wait(timeout=spec["timeout_s"])
@@ -193,7 +198,59 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
         print(f"engine {spec['engine']} failed: {rc}", flush=True)
         return None
     measured = json.loads(Path(spec["out"]).read_text())
-    return summarize(spec, measured["steps"], measured["samples"], memory)
+    row = summarize(spec, measured["steps"], measured["samples"], memory)
+    if spec.get("timers"):
+        row["host_ms_per_step"] = host_time(spec["timers"], row)
+    return row
+
+
+SITECUSTOMIZE = """# fleet_e2e.py --timers: every Python process of the engine (the engine core and
+# its workers too, forked or spawned) times vLLM's and sekv's methods.
+import os, sys
+sys.path.insert(0, {gpu_dir!r})
+try:
+    import host_timers
+    host_timers.install(quiet=True)
+    host_timers.dump_every(os.environ["FLEET_TIMERS"])
+except Exception as e:  # the engine runs untimed
+    print(f"host timers: not installed in process {{os.getpid()}}: {{e!r}}", file=sys.stderr)
+"""
+
+
+def timed_env(prefix: str, workdir: Path) -> dict:
+    """The environment of an engine whose processes dump their host timers
+    under `prefix`: a `sitecustomize` module first on PYTHONPATH, which
+    Python runs at every interpreter's start."""
+    site = workdir / "timers_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(gpu_dir=str(Path(__file__).resolve().parent)))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "FLEET_TIMERS": prefix, "PYTHONPATH": f"{site}:{path}" if path else str(site)}
+
+
+def host_time(prefix: str, row: dict) -> dict[str, dict] | None:
+    """The engine's host time per engine step over the counted span, by
+    method (`host_timers`: wall time inside each, a nested call in its
+    caller's too), summed over the processes that dumped them (the engine
+    core; on CPU also its worker)."""
+    import host_timers
+
+    steps = [s for s in row["steps"] if s["step"] > 0]
+    begin, end = min(s["start_s"] for s in steps), max(s["end_s"] for s in steps)
+    total: dict[str, dict] = {}
+    for lines in host_timers.read_dumps(prefix).values():
+        around = host_timers.sums_between(lines, begin, end)
+        for label, t in (host_timers.diff(*around) if around else {}).items():
+            into = total.setdefault(label, {"calls": 0.0, "ms": 0.0})
+            into["calls"] += t["calls"]
+            into["ms"] += t["ms"]
+    step = total.get("engine.step") or total.get("engine.step_with_batch_queue")
+    if not step:
+        print(f"host timers: no engine steps in the dumps under {prefix} (an engine core started by spawn?)",
+              flush=True)
+        return None
+    return {k: {"calls": round(v["calls"] / step["calls"], 2), "ms": round(v["ms"] / step["calls"], 3)}
+            for k, v in sorted(total.items(), key=lambda kv: -kv[1]["ms"])}
 
 
 def codec_of(engine: str) -> str:
@@ -260,6 +317,16 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
         if r.get("engine_steps"):
             lines.append(f"| {r['engine']} | {r['engine_steps']} | {r['engine_step_ms']:.1f} | "
                          f"{r['running_mean']:.2f} | {r['waiting_mean']:.2f} |")
+    timed = [r for r in rows if r.get("host_ms_per_step")]
+    if timed:
+        labels = list(dict.fromkeys(k for r in timed for k in list(r["host_ms_per_step"])[:12]))
+        lines += ["", "Host time per engine step in the engine's processes, by method (`--timers`, "
+                  "`benchmarks/gpu/host_timers.py`; a nested call counts in its caller's line too), ms:", "",
+                  "| method | " + " | ".join(r["engine"] for r in timed) + " |",
+                  "|---|" + "---|" * len(timed)]
+        for label in labels:
+            cells = [r["host_ms_per_step"].get(label, {}).get("ms") for r in timed]
+            lines.append(f"| {label} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
     figures = [f"- {r['engine']}: " + ", ".join(f"{k} {v:g}" for k, v in sorted(r["connector"].items()) if v)
                for r in rows if any(r.get("connector", {}).values())]
     if figures:
@@ -298,6 +365,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--host-bytes", default="64G", help="sekv's host_bytes; native offloading gets as many")
     ap.add_argument("--timeout-s", type=int, default=560)
+    ap.add_argument("--timers", action="store_true",
+                    help="time the engine core's vLLM and sekv methods (benchmarks/gpu/host_timers.py)")
     ap.add_argument("--out", default=str(H.results_dir("fleet") / "report"), help="writes OUT.json and OUT.md")
     args = ap.parse_args()
     if args.engine_spec:
@@ -316,7 +385,8 @@ def main() -> None:
             "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s}
     rows = []
     for engine in args.engines:  # the report after each engine: a run cut short keeps what it measured
-        if row := run_engine({**base, "engine": engine}, workdir):
+        timers = str(workdir / f"timers-{engine}") if args.timers else None
+        if row := run_engine({**base, "engine": engine, "timers": timers}, workdir):
             rows.append(row)
             report(rows, args, Path(args.out))
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import glob
 import importlib
+import json
+import os
 import time
 
 # (label, module, class, method)
@@ -64,6 +67,8 @@ TARGETS = [
 _SUMS: dict[str, list[float]] = {}  # label -> [calls, seconds]
 _ENDS: dict[str, collections.deque] = {}  # label -> perf_counter() at the end of its last calls
 _GC_STARTED = [0.0]
+# `dump_every`: where this process appends its sums, how often, and when it last did.
+_DUMP: dict = {"prefix": None, "every_s": 1.0, "last": 0.0}
 
 
 def _gc_callback(phase: str, info: dict) -> None:
@@ -92,19 +97,22 @@ def _timed(label: str, fn):
             entry[0] += 1
             entry[1] += t1 - t0
             ends.append(t1)
+            if _DUMP["prefix"] is not None and t1 - _DUMP["last"] >= _DUMP["every_s"]:
+                _dump(t1)
 
     return wrapper
 
 
-def install() -> list[str]:
-    """Wrap every target found; returns the labels wrapped (and prints why
-    the others were not)."""
+def install(quiet: bool = False) -> list[str]:
+    """Wrap every target found; returns the labels wrapped (and, unless
+    `quiet`, prints why the others were not)."""
     done = []
     for label, module, cls_name, method in TARGETS:
         try:
             cls = getattr(importlib.import_module(module), cls_name)
         except (ImportError, AttributeError) as e:
-            print(f"host timers: no {module}.{cls_name} ({type(e).__name__}: {e})", flush=True)
+            if not quiet:
+                print(f"host timers: no {module}.{cls_name} ({type(e).__name__}: {e})", flush=True)
             continue
         fn = cls.__dict__.get(method)
         if fn is None or getattr(fn, "_host_timer", False):
@@ -117,6 +125,43 @@ def install() -> list[str]:
         gc.callbacks.append(_gc_callback)
         done.append("python.gc")
     return done
+
+
+def dump_every(prefix: str, every_s: float = 1.0) -> None:
+    """From now on, at most every `every_s` seconds (checked when a timed
+    call returns), append `{"t": perf_counter(), "sums": snapshot()}` as one
+    line to `PREFIX.PID.jsonl`. A process forked after this call (vLLM's
+    engine core, started by `AsyncLLM`) keeps its wrappers and writes its own
+    file: how the host time of an engine in another process reaches its
+    parent. `perf_counter` is the system's monotonic clock on Linux, so the
+    lines of every process share one time axis (`read_dumps`, `sums_between`)."""
+    _DUMP.update(prefix=prefix, every_s=every_s, last=0.0)
+
+
+def _dump(now: float) -> None:
+    _DUMP["last"] = now
+    with open(f"{_DUMP['prefix']}.{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps({"t": now, "sums": snapshot()}) + "\n")
+
+
+def read_dumps(prefix: str) -> dict[int, list[dict]]:
+    """Every process's lines written under `prefix` (`dump_every`), by pid."""
+    out = {}
+    for path in glob.glob(f"{glob.escape(prefix)}.*.jsonl"):
+        pid = int(path.rsplit(".", 2)[-2])
+        out[pid] = [json.loads(line) for line in open(path) if line.strip()]
+    return out
+
+
+def sums_between(lines: list[dict], begin: float, end: float) -> tuple[dict, dict] | None:
+    """One process's dumped sums around `begin` .. `end`, as `diff(before,
+    after)` takes them: the last line at or before `begin` (none: zeros) and
+    the first at or after `end` (none: the last line); None without lines."""
+    if not lines:
+        return None
+    before = next((x["sums"] for x in reversed(lines) if x["t"] <= begin), {})
+    after = next((x["sums"] for x in lines if x["t"] >= end), lines[-1]["sums"])
+    return before, after
 
 
 def snapshot() -> dict[str, tuple[int, float]]:
