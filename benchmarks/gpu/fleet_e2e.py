@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -186,12 +187,13 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
     env = None
     if spec.get("timers"):
         env = timed_env(spec["timers"], workdir)
-    proc = subprocess.Popen([sys.executable, __file__, "--engine-spec", str(path)], env=env)
+    proc = subprocess.Popen([sys.executable, __file__, "--engine-spec", str(path)], env=env, start_new_session=True)
     memory = PeakMemory(proc.pid)
     try:
         rc = proc.wait(timeout=spec["timeout_s"])
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    except subprocess.TimeoutExpired:  # the engine core too: the next engine needs its device memory
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         rc = "timeout"
     memory.stop()
     if rc != 0:
