@@ -115,6 +115,22 @@ def test_whole_slot_writes_read_back_within_the_bound():
     assert pool.take_failed_slots() == set()
 
 
+def test_a_long_write_is_quantized_a_few_slots_at_a_time_as_in_one(monkeypatch):
+    """A prefill's capture may be gigabytes: slots are quantized a few at a
+    time (bounded scratch where the K/V are), to the same bytes and scales."""
+    from vllm_sekv.store import host_pool
+
+    rows = torch.arange(5 * BT)
+    kv = _kv(len(rows), seed=4, scale=5.0)
+    whole = HostPool(6, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
+    whole.write_rows_all_layers(rows, kv)
+    monkeypatch.setattr(host_pool, "_QUANTIZE_SCRATCH_BYTES", 2 * kv[:, :, :BT].numel() * 20)  # 2 slots a time
+    chunked = HostPool(6, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
+    chunked.write_rows_all_layers(rows, kv)
+    assert torch.equal(chunked.data[:5].view(torch.uint8), whole.data[:5].view(torch.uint8))  # slot 5: unwritten
+    assert torch.equal(chunked.scales[:5], whole.scales[:5])
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["all-layers", "per-layer"])
 def test_partial_slot_writes_wait_in_the_tail_and_are_quantized_once(per_layer):
     """A block written a few rows at a time, each step louder than the last:
@@ -145,6 +161,33 @@ def test_partial_slot_writes_wait_in_the_tail_and_are_quantized_once(per_layer):
     amax = all_kv.abs().amax(dim=-1).amax(dim=2)  # [2, L, H]
     torch.testing.assert_close(pool.scales[slot], amax / FP8_MAX)  # the scale covers every row
     assert pool.take_failed_slots() == set() and not pool._tails
+
+
+def test_rows_of_an_incomplete_block_are_left_to_the_host_path():
+    """A device restore copies a slot's fp8 bytes, which an incomplete block
+    does not have yet: `split_tail_rows` takes its rows out of the device
+    restore (with their paged slots and deltas) for the host path, which
+    reads them from the tail as written."""
+    from vllm_sekv.worker_side.device_restores import split_tail_rows
+    from vllm_sekv.workspace.step_plan import RestoreOp
+
+    pool = HostPool(4, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
+    pool.write_rows_all_layers(torch.arange(BT, 2 * BT), _kv(BT, seed=1))  # slot 1 whole
+    pool.write_rows_all_layers(torch.arange(2 * BT, 2 * BT + 3), _kv(3, seed=2))  # slot 2: 3 rows, in a tail
+    rows = np.arange(BT, 2 * BT + 3)
+    assert pool.in_tails(rows).tolist() == [False] * BT + [True] * 3
+    op = RestoreOp("r", paged_slots=np.arange(100, 100 + len(rows)), host_rows=rows,
+                   rope_deltas=np.full(len(rows), 7), first_position=5)
+    whole = RestoreOp("w", paged_slots=np.arange(8), host_rows=np.arange(BT, BT + 8))
+    device, tails = split_tail_rows([whole, op], pool)
+    assert device[0] is whole and [o.req_id for o in device] == ["w", "r"] and len(tails) == 1
+    assert device[1].host_rows.tolist() == rows[:BT].tolist() and device[1].paged_slots.tolist() == list(range(100, 100 + BT))
+    assert tails[0].host_rows.tolist() == rows[BT:].tolist() and tails[0].paged_slots.tolist() == [100 + BT, 101 + BT, 102 + BT]
+    assert tails[0].rope_deltas.tolist() == [7, 7, 7] and tails[0].first_position == 5
+    k, _ = pool.read_rows_all_layers(torch.from_numpy(tails[0].host_rows))
+    assert torch.equal(k, _kv(3, seed=2)[0].transpose(0, 1))  # the host path reads the tail as written
+    exact = HostPool(4, LAYERS, BT, HEADS, DIM, torch.bfloat16)
+    assert not exact.in_tails(rows).any() and split_tail_rows([op], exact) == ([op], [])
 
 
 def test_a_write_into_a_block_whose_first_rows_are_gone_fails_its_slot():

@@ -56,6 +56,9 @@ PAGE_BYTES = 4096
 # fp8: at most this many incomplete blocks wait in the model dtype (a tail
 # each, one block's K/V of every layer): about one per running request.
 TAIL_BLOCKS = 256
+# fp8: the scratch one quantizing call may take where the K/V are (bounds
+# the slots quantized at once).
+_QUANTIZE_SCRATCH_BYTES = 256 << 20
 
 
 @dataclass
@@ -143,6 +146,16 @@ class HostPool:
             return 2 * num_layers * kv_heads * (block_tokens * head_dim + 4)
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_tokens * kv_heads * head_dim * itemsize
+
+    def in_tails(self, host_rows: np.ndarray) -> np.ndarray:
+        """`[n]` bool: which rows belong to a block still incomplete in some
+        layer (fp8: its rows wait in a model-dtype tail and the slot's fp8
+        bytes and scales are not written yet). Only `read_rows` and
+        `read_rows_all_layers` see such rows; a raw copy of the slot reads
+        garbage. All False for an exact pool."""
+        if not self._tails:
+            return np.zeros(len(host_rows), dtype=bool)
+        return np.isin(np.asarray(host_rows) // self.block_tokens, np.fromiter(self._tails, dtype=np.int64))
 
     def take_failed_slots(self) -> set[int]:
         """fp8: slots written with non-finite K/V since the last call (they
@@ -266,14 +279,21 @@ class HostPool:
     def _store_slots(self, slots: torch.Tensor, layers: slice, block: torch.Tensor) -> None:
         """Quantize `block [m, 2, L', bt, H, D]` (full precision, on any
         device: quantized there, so only fp8 bytes and scales come to the
-        host) into `slots` at `layers`; slots with non-finite values are failed."""
-        q, scale, finite = quantize(block, token_dim=3)
-        q, scale, finite = q.cpu(), scale.cpu(), finite.cpu()
-        bad = ~finite.reshape(len(slots), -1).all(dim=1)
-        if bool(bad.any()):
-            self.failed.update(slots[bad].tolist())
-        self.data[slots, :, layers] = q
-        self.scales[slots, :, layers] = scale
+        host) into `slots` at `layers`; slots with non-finite values are failed.
+        A few slots at a time: quantizing takes about 20 bytes of scratch per
+        element, and a prefill's capture may hand over gigabytes of K/V on a
+        device whose memory vLLM has already given to its cache."""
+        per_slot = block[0].numel() * 20
+        step = max(1, _QUANTIZE_SCRATCH_BYTES // per_slot)
+        for at in range(0, len(slots), step):
+            part = slots[at : at + step]
+            q, scale, finite = quantize(block[at : at + step], token_dim=3)
+            q, scale, finite = q.cpu(), scale.cpu(), finite.cpu()
+            bad = ~finite.reshape(len(part), -1).all(dim=1)
+            if bool(bad.any()):
+                self.failed.update(part[bad].tolist())
+            self.data[part, :, layers] = q
+            self.scales[part, :, layers] = scale
 
     def _overlay_tails(self, slots: torch.Tensor, offsets: torch.Tensor, layers: slice,
                        k: torch.Tensor, v: torch.Tensor) -> None:

@@ -24,7 +24,10 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
 slots' scales; `LayerWriter` gets float32 K/V dequantized on the device,
 rotates keys in float32 and rounds once to the model dtype before the
-platform's cache-update op.
+platform's cache-update op. Rows of a block still incomplete (its rows wait
+in a model-dtype tail, its fp8 bytes are not written yet: a view's most
+recent tokens) cannot be copied from the pool: `split_tail_rows` leaves them
+to the host path (`HostRestores`).
 
 Each restore's transfer time travels in the step's report as a
 `RestoreTiming` (CUDA events, read when they are in). One instance per
@@ -35,7 +38,7 @@ too when it hands over plans). The layer-by-layer path also runs on CPU
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -113,6 +116,26 @@ def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.
     if rope_deltas is not None:
         deltas[where] = rope_deltas
     return slots, mapping, deltas
+
+
+def split_tail_rows(ops: list[RestoreOp], pool: HostPool) -> tuple[list[RestoreOp], list[RestoreOp]]:
+    """(`ops` less their rows in incomplete fp8 blocks, those rows): a device
+    restore copies a slot's stored bytes, which such a block does not have
+    yet (`HostPool.in_tails`); the host path reads them from the tail. The
+    parts keep their op's fields; an op with no row left out is returned as
+    it is, one with no row left in is dropped from the first list."""
+    device_ops, tail_ops = [], []
+    for op in ops:
+        tail = pool.in_tails(op.host_rows)
+        if not tail.any():
+            device_ops.append(op)
+            continue
+        for mask, into in ((~tail, device_ops), (tail, tail_ops)):
+            if mask.any():
+                deltas = None if op.rope_deltas is None else op.rope_deltas[mask]
+                into.append(replace(op, paged_slots=op.paged_slots[mask], host_rows=op.host_rows[mask],
+                                    rope_deltas=deltas))
+    return device_ops, tail_ops
 
 
 class LayerWriter:

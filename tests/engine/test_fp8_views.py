@@ -1,0 +1,26 @@
+"""Execution views from an fp8 workspace through a real `vllm serve`: the 16K
+reader session of `views_session.py` (as `test_views_serve.py` serves it from
+the exact workspace) with `workspace_codec` fp8. Every view is restored from
+fp8 K/V, keys re-RoPE'd to the view's positions: the pass key, more than the
+native window back, is selected and answered."""
+import pytest
+
+from test_views_serve import ENV, VLLM_ARGS
+from views_session import NATIVE_WINDOW, needle_block, run_reader_session
+from views_session import sekv_params as sekv
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def session(model_dir, eval_tasks):
+    return run_reader_session(model_dir, eval_tasks, {"workspace_codec": "fp8"}, VLLM_ARGS, ENV)
+
+
+def test_a_view_from_the_fp8_workspace_answers_a_fact_beyond_the_native_window(session, eval_tasks):
+    tok, task, _, _, answer, _ = session
+    block, distance = needle_block(tok, eval_tasks, task)
+    assert distance > NATIVE_WINDOW
+    assert sekv(answer)["prefilled_tokens"] < 200  # the view was restored, not recomputed
+    assert block in sekv(answer)["view"]["selected_blocks"]
+    assert eval_tasks.is_correct(task.answer, answer["choices"][0]["message"]["content"]), answer["choices"]
