@@ -31,7 +31,9 @@ and waiting, and the connector's figures summed (sekv: restored tokens,
 restore milliseconds, captured tokens). Each engine first serves one short
 request, so that no engine's timed steps pay its kernels' first
 compilation. With `--timers`, the engine core's host time per engine step,
-by vLLM and sekv method (`host_timers.py`), over the same span. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
+by vLLM and sekv method (`host_timers.py`), over the same span; with
+`--profile-steps FIRST COUNT`, the device time per engine step by kernel and
+copy over COUNT engine steps from step FIRST (`step_profile.py`). Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
 `summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
 "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
 "ttft_p99_s"}]}`.
@@ -184,9 +186,7 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
     path = workdir / f"{spec['engine']}.json"
     spec = {**spec, "out": str(path.with_suffix(".steps.json"))}
     path.write_text(json.dumps(spec))
-    env = None
-    if spec.get("timers"):
-        env = timed_env(spec["timers"], workdir)
+    env = observed_env(spec, workdir) if spec.get("timers") or spec.get("profile") else None
     proc = subprocess.Popen([sys.executable, __file__, "--engine-spec", str(path)], env=env, start_new_session=True)
     memory = PeakMemory(proc.pid)
     try:
@@ -203,31 +203,50 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
     row = summarize(spec, measured["steps"], measured["samples"], memory)
     if spec.get("timers"):
         row["host_ms_per_step"] = host_time(spec["timers"], row)
+    if spec.get("profile"):
+        import step_profile
+
+        profile = step_profile.read(spec["profile"].rsplit(":", 2)[0])
+        if profile is None:
+            print(f"engine {spec['engine']}: no device profile (fewer engine steps than profiled?)", flush=True)
+        else:
+            row["device_ms_per_step"] = {"steps": profile["steps"],
+                                         "total": round(profile["device_ms"] / profile["steps"], 3),
+                                         "ops": {o["name"]: round(o["device_ms"] / profile["steps"], 3)
+                                                 for o in profile["ops"]}}
     return row
 
 
-SITECUSTOMIZE = """# fleet_e2e.py --timers: every Python process of the engine (the engine core and
-# its workers too, forked or spawned) times vLLM's and sekv's methods.
+SITECUSTOMIZE = """# fleet_e2e.py --timers / --profile-steps: every Python process of the engine (the
+# engine core and its workers too, forked or spawned) times vLLM's and sekv's
+# methods, and the engine core profiles the device over a stretch of steps.
 import os, sys
 sys.path.insert(0, {gpu_dir!r})
 try:
-    import host_timers
-    host_timers.install(quiet=True)
-    host_timers.dump_every(os.environ["FLEET_TIMERS"])
-except Exception as e:  # the engine runs untimed
-    print(f"host timers: not installed in process {{os.getpid()}}: {{e!r}}", file=sys.stderr)
+    if os.environ.get("FLEET_TIMERS"):
+        import host_timers
+        host_timers.install(quiet=True)
+        host_timers.dump_every(os.environ["FLEET_TIMERS"])
+    if os.environ.get("FLEET_PROFILE"):
+        import step_profile
+        prefix, first, steps = os.environ["FLEET_PROFILE"].rsplit(":", 2)
+        step_profile.install(prefix, int(first), int(steps))
+except Exception as e:  # the engine runs unobserved
+    print(f"fleet observers: not installed in process {{os.getpid()}}: {{e!r}}", file=sys.stderr)
 """
 
 
-def timed_env(prefix: str, workdir: Path) -> dict:
+def observed_env(spec: dict, workdir: Path) -> dict:
     """The environment of an engine whose processes dump their host timers
-    under `prefix`: a `sitecustomize` module first on PYTHONPATH, which
-    Python runs at every interpreter's start."""
-    site = workdir / "timers_site"
+    (`spec["timers"]`: a prefix) and profile a stretch of steps
+    (`spec["profile"]`: "prefix:first:steps"): a `sitecustomize` module first
+    on PYTHONPATH, which Python runs at every interpreter's start."""
+    site = workdir / "observers_site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(gpu_dir=str(Path(__file__).resolve().parent)))
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "FLEET_TIMERS": prefix, "PYTHONPATH": f"{site}:{path}" if path else str(site)}
+    return {**os.environ, "FLEET_TIMERS": spec.get("timers") or "", "FLEET_PROFILE": spec.get("profile") or "",
+            "PYTHONPATH": f"{site}:{path}" if path else str(site)}
 
 
 def host_time(prefix: str, row: dict) -> dict[str, dict] | None:
@@ -329,6 +348,20 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
         for label in labels:
             cells = [r["host_ms_per_step"].get(label, {}).get("ms") for r in timed]
             lines.append(f"| {label} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
+    profiled = [r for r in rows if r.get("device_ms_per_step")]
+    if profiled:
+        labels = list(dict.fromkeys(k for r in profiled for k in list(r["device_ms_per_step"]["ops"])[:10]))
+        lines += ["", f"Device time per engine step, by kernel and copy (`--profile-steps`: PyTorch's profiler "
+                  f"over {profiled[0]['device_ms_per_step']['steps']} engine steps from step "
+                  f"{args.profile_steps[0]}, `benchmarks/gpu/step_profile.py`; the profiler slows the host, "
+                  "not the device), ms:", "",
+                  "| kernel or copy | " + " | ".join(r["engine"] for r in profiled) + " |",
+                  "|---|" + "---|" * len(profiled),
+                  "| all | " + " | ".join(f"{r['device_ms_per_step']['total']:.2f}" for r in profiled) + " |"]
+        for label in labels:
+            cells = [r["device_ms_per_step"]["ops"].get(label) for r in profiled]
+            name = label if len(label) <= 90 else label[:87] + "..."
+            lines.append(f"| `{name}` | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     figures = [f"- {r['engine']}: " + ", ".join(f"{k} {v:g}" for k, v in sorted(r["connector"].items()) if v)
                for r in rows if any(r.get("connector", {}).values())]
     if figures:
@@ -369,6 +402,8 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=int, default=560)
     ap.add_argument("--timers", action="store_true",
                     help="time the engine core's vLLM and sekv methods (benchmarks/gpu/host_timers.py)")
+    ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
+                    help="profile the device over COUNT engine steps from step FIRST (benchmarks/gpu/step_profile.py)")
     ap.add_argument("--out", default=str(H.results_dir("fleet") / "report"), help="writes OUT.json and OUT.md")
     args = ap.parse_args()
     if args.engine_spec:
@@ -388,7 +423,9 @@ def main() -> None:
     rows = []
     for engine in args.engines:  # the report after each engine: a run cut short keeps what it measured
         timers = str(workdir / f"timers-{engine}") if args.timers else None
-        if row := run_engine({**base, "engine": engine, "timers": timers}, workdir):
+        profile = f"{workdir / f'profile-{engine}'}:{args.profile_steps[0]}:{args.profile_steps[1]}" \
+            if args.profile_steps else None
+        if row := run_engine({**base, "engine": engine, "timers": timers, "profile": profile}, workdir):
             rows.append(row)
             report(rows, args, Path(args.out))
 
