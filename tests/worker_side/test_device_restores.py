@@ -92,6 +92,30 @@ def test_every_planned_token_lands_in_its_paged_slot(deltas, codec):
     _check(pool, caches, op)
 
 
+@pytest.mark.parametrize("deltas", [None, "moved"])
+def test_rows_of_an_incomplete_fp8_block_come_from_its_tail(deltas):
+    """An fp8 block is quantized once complete; until then its rows wait in
+    a tail and the slot's bytes are not written. A restore that reaches such
+    rows (a view's most recent tokens) writes them from the tail, the rest
+    from the copies; a head start of the plan is still adopted."""
+    pool, caches, context, restores = _setup(codec="fp8")
+    tail_rows = torch.arange(30 * BT, 30 * BT + 3)  # slot 30 taken afresh: 3 of its rows so far
+    pool.write_rows_all_layers(tail_rows, torch.randn(2, LAYERS, 3, HEADS, D) * 100)
+    op = _op()
+    host_rows = np.concatenate([op.host_rows, tail_rows.numpy()])
+    paged = np.arange(len(host_rows), dtype=np.int64) * 3 + 5
+    moved = None if deltas is None else np.arange(len(host_rows), dtype=np.int64) * 7 - 50
+    op = RestoreOp("r", paged_slots=paged, host_rows=host_rows, rope_deltas=moved)
+    assert pool.in_tails(host_rows).sum() == 3
+    restores.head_start(1, [op])
+    job = restores._head_start.jobs[0][1]
+    assert job.num_blocks == 5  # the copies leave the tail's slot out
+    assert restores.start(context, 1, [op]) == []
+    assert restores._jobs[0][0] is job  # adopted
+    restores.finish()
+    _check(pool, caches, op)  # every row as the pool reads it, the tail's as written
+
+
 def test_a_head_start_of_the_same_step_is_adopted():
     pool, caches, context, restores = _setup()
     op = _op()

@@ -24,10 +24,11 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
 slots' scales; `LayerWriter` gets float32 K/V dequantized on the device,
 rotates keys in float32 and rounds once to the model dtype before the
-platform's cache-update op. Rows of a block still incomplete (its rows wait
-in a model-dtype tail, its fp8 bytes are not written yet: a view's most
-recent tokens) cannot be copied from the pool: `split_tail_rows` leaves them
-to the host path (`HostRestores`).
+platform's cache-update op. Rows of a block still incomplete (they wait in a
+model-dtype tail and the slot's fp8 bytes are not written yet: a view's most
+recent tokens) cannot be copied from the pool: `start` takes them out of
+the copies (`split_tail_rows`) and writes them from the tails, every layer
+before the forward, through the same writer.
 
 Each restore's transfer time travels in the step's report as a
 `RestoreTiming` (CUDA events, read when they are in). One instance per
@@ -250,10 +251,12 @@ class DeviceRestores:
 
     def head_start(self, step_id: int, ops: list[RestoreOp]) -> None:
         """Enqueue the first layers' copies of step `step_id`'s layerwise
-        restore of `ops` now. A restore begun at the match is claimed for the
+        restore of `ops` now (less their rows of incomplete fp8 blocks, as
+        `start` will). A restore begun at the match is claimed for the
         op that reads exactly its slots, the other ops get a job of their
         own; one no op reads is dropped. Nothing if they go batched;
         allocation failure only skips the head start."""
+        ops, _ = split_tail_rows(ops, self.pool)
         if not ops:
             self._drop_head_start()
             return
@@ -347,8 +350,13 @@ class DeviceRestores:
 
     def start(self, forward_context: Any, step_id: int, ops: list[RestoreOp]) -> list[RestoreTiming]:
         """Enqueue step `step_id`'s restores of `ops`: layer by layer (their
-        first copies possibly begun by a head start) or batched. Returns the
+        first copies possibly begun by a head start) or batched; rows of
+        incomplete fp8 blocks are written from their tails now. Returns the
         batched restores' timings (a layerwise one's comes from `finish`)."""
+        ops, tails = split_tail_rows(ops, self.pool)
+        self._write_tails(forward_context, tails)
+        if not ops:
+            return []
         bt = self.block_tokens
         host_slots, op_slots, layerwise = self._layout(ops)
         if layerwise:
@@ -398,6 +406,19 @@ class DeviceRestores:
             if events is not None:
                 timings.append(RestoreTiming(*events, shares))
         return timings
+
+    def _write_tails(self, forward_context: Any, ops: list[RestoreOp]) -> None:
+        """Rows of incomplete fp8 blocks (`split_tail_rows`): read from their
+        tails on the host (`HostPool.read_rows`, float32), every layer written
+        now through a `LayerWriter`, keys rotated there."""
+        for op in ops:
+            writer = self._writer(forward_context, op.rope_deltas is not None)
+            deltas = None if op.rope_deltas is None else to_device(op.rope_deltas, self.device)
+            writer.route(to_device(op.paged_slots, self.device), deltas)
+            rows = torch.from_numpy(op.host_rows)
+            for layer in range(self.geometry.num_layers):
+                key, value = self.pool.read_rows(layer, rows, torch.float32)
+                writer(layer, to_device(key, self.device), to_device(value, self.device))
 
     def _writer(self, forward_context: Any, rerope: bool) -> LayerWriter:
         layers: dict[int, list] = {}

@@ -14,9 +14,7 @@ Runs in each worker process, on the forward thread, in this order per step:
                    enqueued on a copy stream (`DeviceRestores`), layer by layer
                    (the first copies possibly already enqueued when the
                    scheduler side matched or planned the restore in this
-                   process: `head_start_match`, `head_start`) or batched; an
-                   fp8 pool's rows of blocks still incomplete (in their
-                   model-dtype tails) on the host (`split_tail_rows`);
+                   process: `head_start_match`, `head_start`) or batched;
   `wait_for_layer_load` (vLLM, and the attention hook as a safety net) before
                    each layer's attention: a layerwise restore writes that
                    layer and enqueues the copy of a later one; never blocks;
@@ -61,7 +59,7 @@ from vllm_sekv.worker_side.index_feed import IndexFeed
 from vllm_sekv.worker_side.forward_capture import ForwardCapture, paged_cache_views
 from vllm_sekv.worker_side.host_restores import HostRestores, restore_ranks
 from vllm_sekv.worker_side.probes import ProbeScorer
-from vllm_sekv.worker_side.device_restores import DeviceRestores, split_tail_rows
+from vllm_sekv.worker_side.device_restores import DeviceRestores
 from vllm_sekv.protocol.stats import SekvStats
 from vllm_sekv.worker_side.surprisal import SurprisalRecorder
 from vllm_sekv.worker_side.tier_transfers import TierTransfers
@@ -254,14 +252,11 @@ class SekvWorkerSide:
         if plan is None or self.pool is None:
             return
         unhooked = not self._forward_begun and compat.full_graph_replay(forward_context)
-        exact, tails = split_tail_rows([op for op in plan.restores if not op.lowrank], self.pool)
+        exact = [op for op in plan.restores if not op.lowrank]
         if self.restores is not None and exact:
             self._device_reports += self.restores.start(forward_context, plan.step_id, exact)
             if unhooked:
                 self._end_layerwise()  # no layer will ask for its KV: all of it before the forward
-        if self.restores is not None:
-            for op in tails:  # fp8: rows of incomplete blocks, from their model-dtype tails
-                self.host_restores.restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
         row_bytes = self.pool.block_bytes // self.config.block_tokens
         for op in plan.restores:
             if self.restores is None or op.lowrank:
@@ -327,8 +322,7 @@ class SekvWorkerSide:
         built (`protocol.head_start`): a layerwise restore in it enqueues its
         first copies now (`DeviceRestores.head_start`)."""
         if self.restores is not None:
-            exact, _ = split_tail_rows([op for op in plan.restores if not op.lowrank], self.pool)
-            self.restores.head_start(plan.step_id, exact)
+            self.restores.head_start(plan.step_id, [op for op in plan.restores if not op.lowrank])
 
     def head_start_match(self, host_slots: np.ndarray) -> None:
         """The scheduler side (in this process) just matched a restore of
