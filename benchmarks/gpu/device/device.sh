@@ -22,7 +22,8 @@
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
 #                   (a 512K session from 64K views, CUDA graphs), report to $OUT/views.*
 #   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: plain, native, sekv and sekv-fp8 serving concurrent
-#                   sessions, report and summary to $OUT/fleet.*, $OUT/summary.json
+#                   sessions, with host timers and a device profile of 40 engine steps,
+#                   report and summary to $OUT/fleet.*, $OUT/summary.json
 #
 # Every step writes its log under $OUT and prints how long it took. Reports name
 # the commit from $SEKV_COMMIT (the copy of the tree here has no git history):
@@ -132,7 +133,7 @@ case $step in
     log "views done" ;;
   fleet)  # many agents at once: benchmarks/results/fleet/
     run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --engines plain native sekv sekv-fp8 --timeout-s 140 \
-      --out "$OUT/fleet" "$@"
+      --timers --profile-steps 400 40 --out "$OUT/fleet" "$@"
     log "fleet done" ;;
   *)
     echo "unknown step $step"; exit 2 ;;
