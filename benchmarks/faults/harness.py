@@ -79,17 +79,20 @@ class Step:
     prompt: str
 
 
-def sessions(essay: str, tenants: int = 2, per_tenant: int = 2, steps: int = 5, chunk_chars: int = 1400) -> list[list[Step]]:
-    """Each session's steps: its history grows by one tool result per step."""
+def sessions(essay: str, tenants: int = 2, per_tenant: int = 2, steps: int = 5, chunk_chars: int = 1400,
+             skip_chars: int = 0, name: str = "s") -> list[list[Step]]:
+    """Each session's steps: its history grows by one tool result per step.
+    Each session reads its own stretch of the essay, after its first
+    `skip_chars`; sessions are named `{name}{tenant}-{session}`."""
     out = []
     for t in range(tenants):
         for s in range(per_tenant):
-            start = (t * per_tenant + s) * steps * chunk_chars
+            start = skip_chars + (t * per_tenant + s) * steps * chunk_chars
             text, session = "", []
             for k in range(steps):
                 piece = essay[start + k * chunk_chars : start + (k + 1) * chunk_chars]
                 text += f"\n\nTool output {k + 1}:\n{piece}\n\nNotes so far:"
-                session.append(Step(f"tenant-{t}", f"s{t}-{s}", text))
+                session.append(Step(f"tenant-{t}", f"{name}{t}-{s}", text))
             out.append(session)
     return out
 
@@ -323,12 +326,16 @@ class FaultRun:
     # ------------------------------------------------------------------ run
 
     def run(self, num_faults: int, steps: list[list[Step]], requests_per_fault: float = 0.3,
-            during_share: float = 0.3, max_kills: int | None = None) -> Counters:
+            during_share: float = 0.3, max_kills: int | None = None, survivor: list[Step] | None = None) -> Counters:
         """Inject `num_faults` faults (at most `max_kills` of them kills);
         between them, requests (on average `requests_per_fault` per fault,
         each session's steps in order); a `during_share` of the requests has
         the next fault land while it runs. Ends with a last kill and restart
-        and every session's next step."""
+        and every session's next step. A `survivor` session (two steps or
+        more, not in `steps`) takes its first step just before that kill and
+        its second first after the restart: what it wrote behind, which no
+        fault touched, must come back from disk (a restore is a prefix: the
+        faulted sessions may have lost their first blocks)."""
         cursors = [0] * len(steps)
         self.start()
         due = 0.0
@@ -356,8 +363,12 @@ class FaultRun:
         # behind, so the restart always has blocks on disk to restore.
         for session, cursor in zip(steps, cursors):
             self.request(session[cursor % len(session)])
+        if survivor:
+            self.request(survivor[0])
         time.sleep(WRITE_BEHIND_S)
         self.inject("kill")
+        if survivor:
+            self.request(survivor[1])  # the first request after the restart: counted in `restored_after_restart_tokens`
         for session, cursor in zip(steps, cursors):
             self.request(session[(cursor + 1) % len(session)])
         return self.counters

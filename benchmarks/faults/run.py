@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         log_file.write(line + "\n")
         log_file.flush()
 
-    steps = sessions(essay_text(max_chars=200_000))
+    essay = essay_text(max_chars=200_000)
+    steps = sessions(essay)
+    survivor = sessions(essay, tenants=1, per_tenant=1, steps=2, skip_chars=2 * 2 * 5 * 1400, name="survivor")[0]
     work = Path(tempfile.mkdtemp(prefix="sekv-faults-"))
     # The servers run a copy of the package as it is now: edits during a long run never reach a restart.
     code = work / "code"
@@ -68,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     run = FaultRun(model, work, args.seed, VLLM_ARGS, env, SEKV, log=log)
     t0 = time.time()
     try:
-        run.compute_reference([s for session in steps for s in session])
-        counters = run.run(args.faults, steps, args.requests_per_fault, max_kills=args.max_kills)
+        run.compute_reference([s for session in steps for s in session] + survivor)
+        counters = run.run(args.faults, steps, args.requests_per_fault, max_kills=args.max_kills, survivor=survivor)
     finally:
         run.close()
     meta = H.meta(H.command(__file__, argv))
