@@ -125,8 +125,16 @@ def test_a_long_write_is_quantized_a_few_slots_at_a_time_as_in_one(monkeypatch):
     whole = HostPool(6, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
     whole.write_rows_all_layers(rows, kv)
     monkeypatch.setattr(host_pool, "_QUANTIZE_SCRATCH_BYTES", 2 * kv[:, :, :BT].numel() * 20)  # 2 slots a time
+    calls = []
+
+    def recording(block, token_dim):
+        calls.append(len(block))
+        return quantize(block, token_dim)
+
+    monkeypatch.setattr(host_pool, "quantize", recording)
     chunked = HostPool(6, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
     chunked.write_rows_all_layers(rows, kv)
+    assert calls == [2, 2, 1]  # bounded scratch: never more than 2 slots per call
     assert torch.equal(chunked.data[:5].view(torch.uint8), whole.data[:5].view(torch.uint8))  # slot 5: unwritten
     assert torch.equal(chunked.scales[:5], whole.scales[:5])
 
