@@ -2,12 +2,16 @@
 gives the entries and scores of the host index (skipped without CUDA), the
 kinds the fused Triton kernel scores (`sub4_pre`, `mean_pre`, `anchor_pre`)
 included."""
+import numpy as np
 import pytest
 import torch
 
 from vllm_sekv.ops import RopeSpec
 from vllm_sekv.store import HostPool
 from vllm_sekv.index.block_index import BlockIndex
+from vllm_sekv.store.capture import CaptureWriter, StepCapture
+from vllm_sekv.worker_side.index_feed import IndexFeed
+from vllm_sekv.workspace.step_plan import ScoreOp, StepPlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -58,3 +62,38 @@ def test_indexing_and_scoring_on_the_gpu_never_synchronize(kind):
         index.score(1, queries, candidates)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_index_is_fed_on_its_own_stream_and_only_a_scoring_step_waits_for_it():
+    """Committed blocks are indexed behind the captures still being copied to
+    the host, on the feed's stream: the compute stream goes on (a forward never
+    waits for the last step's capture copies); a step that scores waits for
+    the feed on the device, and its entries are the host index's of the
+    captured bytes."""
+    rope = RopeSpec(inv_freq=1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D), rotary_dim=D)
+    g = torch.Generator().manual_seed(1)
+    pool = HostPool(SLOTS, L, T, H, D, torch.bfloat16, pin_memory=True)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    writer = CaptureWriter(pool, torch.device("cuda"))
+    index = BlockIndex(SLOTS, L, H, D, rope, device="cuda")
+    feed = IndexFeed(index, pool, writer, T)
+    with torch.cuda.stream(writer.stream):
+        torch.cuda._sleep(2_000_000_000)  # the capture's copy below starts about a second from now
+    capture = StepCapture(torch.arange(T, device="cuda"), np.arange(7 * T, 8 * T), None, L, H, D, torch.bfloat16)
+    for layer in range(L):
+        capture.take(layer, torch.randn(T, H, D, generator=g).cuda(), torch.randn(T, H, D, generator=g).cuda())
+    assert writer.write(capture, rope)  # slot 7, every row
+    blocks = [(5, 0), (6, T), (7, 2 * T)]
+    compute = torch.cuda.current_stream()
+    feed.update(StepPlan(step_id=1, index_blocks=blocks))
+    compute.synchronize()
+    assert not feed.stream.query()  # the feed waits for the capture; the compute stream did not
+    probe = ScoreOp("r", np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([5, 6, 7]), np.array([0, T, 2 * T]),
+                    True)
+    feed.update(StepPlan(step_id=2, scores=[probe]))
+    assert not compute.query()  # a scoring step waits for the feed on the device
+    writer.settle()
+    host = BlockIndex(SLOTS, L, H, D, rope)
+    host.add_many(pool, [s for s, _ in blocks], [t for _, t in blocks])
+    torch.testing.assert_close(index.entries.cpu(), host.entries, atol=2e-2, rtol=2e-2)
+    assert torch.equal(index.valid.cpu(), host.valid)

@@ -124,6 +124,29 @@ def test_cuda_order_makes_a_reader_on_another_stream_wait_for_the_captures_copie
     assert torch.equal(keys.cpu()[0], _expected(2, [4, 5, 6, 7], seen, None, torch.bfloat16)[1, 0])  # slot 1's keys
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and cudart.available()), reason="asynchronous path: CUDA only")
+def test_cuda_a_capture_never_rewrites_rows_a_reader_is_still_reading():
+    """A reader outside the compute stream's order (the GPU index's feed)
+    registered with `add_reader`: a capture written while its read of the
+    same slot is still queued lands after that read, and `settle` waits for
+    the reader too."""
+    pool = HostPool(2, LAYERS, BT, H, D, torch.bfloat16, pin_memory=True)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(5)))
+    before = pool.data[1, 0].clone()
+    writer = CaptureWriter(pool, torch.device("cuda"))
+    reader = torch.cuda.Stream()
+    writer.add_reader(reader)
+    with torch.cuda.stream(reader):
+        torch.cuda._sleep(1_000_000_000)  # the read starts about half a second from now
+        keys = pool.slot_keys_on([1], torch.device("cuda"))
+    cap, seen = _capture("cuda", [4, 5, 6, 7], None, seed=6)  # every row of slot 1
+    assert writer.write(cap, ROPE)
+    writer.settle()
+    assert reader.query()
+    assert torch.equal(keys.cpu()[0], before)  # what slot 1 held when the read was queued
+    assert torch.equal(pool.data[1], _expected(2, [4, 5, 6, 7], seen, None, torch.bfloat16)[1])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and cudart.available()), reason="CUDA only"))])
 def test_a_paged_capture_gathered_from_the_caches_stores_the_same_bytes(device):

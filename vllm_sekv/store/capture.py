@@ -129,6 +129,14 @@ class CaptureWriter:
                 and cudart.is_page_locked(pool.data)):
             self.stream = torch.cuda.Stream(device)
         self._pending: list[tuple[torch.cuda.Event, StepCapture]] = []
+        self._readers: list[torch.cuda.Stream] = []
+
+    def add_reader(self, stream: "torch.cuda.Stream") -> None:
+        """A stream that reads the pool on the device outside the compute
+        stream's order (the GPU index's feed): every later capture waits, on
+        the device, for the work queued on it by then (a capture never
+        rewrites rows it is still reading), and `settle` waits for it too."""
+        self._readers.append(stream)
 
     def write(self, capture: StepCapture, rope) -> bool:
         """Store `capture` at its host rows, keys rotated by its deltas. False
@@ -140,11 +148,15 @@ class CaptureWriter:
             rotate_layer_keys_(kv[0], capture.deltas, rope)
         if self.stream is None:
             # fp8 pools quantize whole slots where the capture is (on CUDA only
-            # their fp8 bytes and scales cross to the host)
+            # their fp8 bytes and scales cross to the host): the host writes
+            for reader in self._readers:
+                torch.cuda.current_stream(kv.device).wait_stream(reader)
             self.pool.write_rows_all_layers(torch.from_numpy(capture.host_rows),
                                             kv if self.pool.scales is not None else kv.cpu())
             return True
         self.stream.wait_stream(torch.cuda.current_stream(kv.device))
+        for reader in self._readers:
+            self.stream.wait_stream(reader)
         data = self.pool.data  # [slots, 2, L, bt, H, D]
         bt = self.pool.block_tokens
         row_bytes = kv[0, 0, 0].numel() * kv.element_size()
@@ -162,10 +174,13 @@ class CaptureWriter:
         return True
 
     def settle(self) -> None:
-        """Wait until every written capture is in the pool."""
+        """Wait until every written capture is in the pool and the readers'
+        reads queued so far are done: the host may read or rewrite it."""
         for done, _ in self._pending:
             done.synchronize()
         self._pending.clear()
+        for reader in self._readers:
+            reader.synchronize()
 
     def order(self, stream: "torch.cuda.Stream") -> None:
         """Make `stream` wait, on the device, for every capture written so far

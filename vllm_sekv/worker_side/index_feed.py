@@ -8,6 +8,16 @@ history at once, except in a step that restores (the index reads the host
 tier too, and would delay the restore's first copy): the next step takes
 them. With surprisal-weighted summaries each block's per-token surprisal
 waits with it. Runs on the worker's forward thread.
+
+On CUDA the index is fed on a stream of its own, which waits on the device
+for the captures that wrote the blocks (`CaptureWriter.order`) and for the
+work already queued on the compute stream; the compute stream waits for it
+only in a step that scores (a probe reads the entries). A forward thus never
+waits for the last step's capture copies to reach the host, nor for the
+index's own copies and kernels. The host never waits either: the stream is
+one of the capture writer's readers (`CaptureWriter.add_reader`), so later
+captures never rewrite host rows it is still reading, and the writer's
+`settle` covers its reads.
 """
 from __future__ import annotations
 
@@ -31,6 +41,9 @@ class IndexFeed:
         # counts, so this never holds more than one entry per host slot.
         self.pending: dict[int, int] = {}
         self._surprisal: dict[int, np.ndarray] = {}  # slot -> per-token surprisal, weighted kinds only
+        self.stream = torch.cuda.Stream(index.device) if index.device.type == "cuda" else None
+        if self.stream is not None:
+            writer.add_reader(self.stream)
 
     def take_plan(self, plan: StepPlan) -> None:
         """The surprisal the scheduler side sent for blocks it will index."""
@@ -48,14 +61,22 @@ class IndexFeed:
         blocks committed since the last probe, when the module docstring's
         rule says so."""
         self.pending.update(plan.index_blocks)
-        gpu_now = self.index.device.type == "cuda" and not plan.restores
-        if not self.pending or not (plan.scores or gpu_now):
-            return
+        gpu_now = self.stream is not None and not plan.restores
+        if self.pending and (plan.scores or gpu_now):
+            self._add_pending()
+        if plan.scores and self.stream is not None:
+            torch.cuda.current_stream(self.index.device).wait_stream(self.stream)
+
+    def _add_pending(self) -> None:
         latest, self.pending = self.pending, {}
         surprisal = None
         if self.index.kind.uses_weights:
             nan = np.full(self.block_tokens, np.nan, dtype=np.float32)
             surprisal = torch.from_numpy(np.stack([self._surprisal.pop(s, nan) for s in latest]))
-        if self.index.device.type == "cuda":
-            self.writer.order(torch.cuda.current_stream(self.index.device))
-        self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
+        if self.stream is None:
+            self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.index.device))
+        self.writer.order(self.stream)
+        with torch.cuda.stream(self.stream):
+            self.index.add_many(self.pool, list(latest), list(latest.values()), surprisal)
