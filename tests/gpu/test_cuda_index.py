@@ -77,14 +77,18 @@ def test_the_index_is_fed_on_its_own_stream_and_only_a_scoring_step_waits_for_it
     writer = CaptureWriter(pool, torch.device("cuda"))
     index = BlockIndex(SLOTS, L, H, D, rope, device="cuda")
     feed = IndexFeed(index, pool, writer, T)
-    with torch.cuda.stream(writer.stream):
-        torch.cuda._sleep(2_000_000_000)  # the capture's copy below starts about a second from now
+    blocks = [(5, 0), (6, T), (7, 2 * T)]
+    compute = torch.cuda.current_stream()
+    # Allocating device or page-locked memory makes the host wait for the
+    # device: the feed's buffers and the capture's first, as a serving worker has them.
+    feed.update(StepPlan(step_id=0, index_blocks=blocks))
     capture = StepCapture(torch.arange(T, device="cuda"), np.arange(7 * T, 8 * T), None, L, H, D, torch.bfloat16)
     for layer in range(L):
         capture.take(layer, torch.randn(T, H, D, generator=g).cuda(), torch.randn(T, H, D, generator=g).cuda())
+    torch.cuda.synchronize()
+    with torch.cuda.stream(writer.stream):
+        torch.cuda._sleep(2_000_000_000)  # the capture's copy below starts about a second from now
     assert writer.write(capture, rope)  # slot 7, every row
-    blocks = [(5, 0), (6, T), (7, 2 * T)]
-    compute = torch.cuda.current_stream()
     feed.update(StepPlan(step_id=1, index_blocks=blocks))
     compute.synchronize()
     assert not feed.stream.query()  # the feed waits for the capture; the compute stream did not
