@@ -33,7 +33,8 @@ request, so that no engine's timed steps pay its kernels' first
 compilation. With `--timers`, the engine core's host time per engine step,
 by vLLM and sekv method (`host_timers.py`), over the same span; with
 `--profile-steps FIRST COUNT`, the device time per engine step by kernel and
-copy over COUNT engine steps from step FIRST (`step_profile.py`). Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
+copy over COUNT engine steps from step FIRST (`step_profile.py`). Each engine
+has `--start-timeout-s` to start and then `--timeout-s` to serve the fleet. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
 `summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
 "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
 "ttft_p99_s"}]}`.
@@ -105,6 +106,7 @@ def engine_main(spec: dict) -> None:
         max_model_len=spec["max_model_len"], gpu_memory_utilization=spec["gpu_memory_utilization"],
         num_gpu_blocks_override=spec["gpu_blocks"], enable_prefix_caching=True, seed=0, **kwargs),
         stat_loggers=[EngineSamples])
+    Path(spec["out"]).with_suffix(".up").touch()  # started: the run's own time limit begins
     params = SamplingParams(max_tokens=spec["decode_tokens"], temperature=0.0, ignore_eos=True,
                             detokenize=not dummy)
     lo, hi = 1000, spec["vocab_size"] - 1000
@@ -181,6 +183,23 @@ class PeakMemory:
         self._thread.join()
 
 
+def wait_engine(proc: subprocess.Popen, up: Path, start_s: float, run_s: float) -> int | str:
+    """The engine process's exit code, or "timeout": it has `start_s` to start
+    (a machine's first engine compiles kernels for minutes) and then `run_s`
+    to serve the fleet. At a limit its whole process group is killed: the
+    next engine needs the device memory its engine core holds."""
+    deadline, started = time.monotonic() + start_s, False
+    while proc.poll() is None:
+        if not started and up.exists():
+            deadline, started = time.monotonic() + run_s, True
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "timeout"
+        time.sleep(0.5)
+    return proc.returncode
+
+
 def run_engine(spec: dict, workdir: Path) -> dict | None:
     """Run one engine in its own process; its row, or None if it failed."""
     path = workdir / f"{spec['engine']}.json"
@@ -189,12 +208,7 @@ def run_engine(spec: dict, workdir: Path) -> dict | None:
     env = observed_env(spec, workdir) if spec.get("timers") or spec.get("profile") else None
     proc = subprocess.Popen([sys.executable, __file__, "--engine-spec", str(path)], env=env, start_new_session=True)
     memory = PeakMemory(proc.pid)
-    try:
-        rc = proc.wait(timeout=spec["timeout_s"])
-    except subprocess.TimeoutExpired:  # the engine core too: the next engine needs its device memory
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        rc = "timeout"
+    rc = wait_engine(proc, Path(spec["out"]).with_suffix(".up"), spec["start_timeout_s"], spec["timeout_s"])
     memory.stop()
     if rc != 0:
         print(f"engine {spec['engine']} failed: {rc}", flush=True)
@@ -399,7 +413,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="vLLM's KV page on this device (CPUs: 128)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--host-bytes", default="64G", help="sekv's host_bytes; native offloading gets as many")
-    ap.add_argument("--timeout-s", type=int, default=560)
+    ap.add_argument("--timeout-s", type=int, default=560, help="each engine's limit once started")
+    ap.add_argument("--start-timeout-s", type=int, default=300,
+                    help="each engine's limit to start (a machine's first one compiles kernels)")
     ap.add_argument("--timers", action="store_true",
                     help="time the engine core's vLLM and sekv methods (benchmarks/gpu/host_timers.py)")
     ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
@@ -419,7 +435,8 @@ def main() -> None:
             "decode_tokens": args.decode_tokens, "steps": args.steps, "pause_s": args.pause_s,
             "max_model_len": longest + 64, "gpu_blocks": -(-args.gpu_cache_tokens // args.block_size),
             "gpu_memory_utilization": args.gpu_memory_utilization,
-            "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s}
+            "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s,
+            "start_timeout_s": args.start_timeout_s}
     rows = []
     for engine in args.engines:  # the report after each engine: a run cut short keeps what it measured
         timers = str(workdir / f"timers-{engine}") if args.timers else None

@@ -21,8 +21,9 @@
 #                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
 #                   (a 512K session from 64K views, CUDA graphs), report to $OUT/views.*
-#   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: plain, native, sekv and sekv-fp8 serving concurrent
-#                   sessions, with host timers and a device profile of 40 engine steps,
+#   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: native, sekv and sekv-fp8 serving concurrent
+#                   sessions (each engine 200 s to start, 120 s to serve; `--engines plain ...`
+#                   adds plain vLLM), with host timers and a device profile of 40 engine steps,
 #                   report and summary to $OUT/fleet.*, $OUT/summary.json
 #
 # Every step writes its log under $OUT and prints how long it took. Reports name
@@ -132,8 +133,8 @@ case $step in
       --view-tokens 65536 --steps 2 --decode-tokens 128 --cuda-graphs --timeout-s 280 --out "$OUT/views" "$@"
     log "views done" ;;
   fleet)  # many agents at once: benchmarks/results/fleet/
-    run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --engines plain native sekv sekv-fp8 --timeout-s 140 \
-      --timers --profile-steps 400 40 --out "$OUT/fleet" "$@"
+    run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --engines native sekv sekv-fp8 --start-timeout-s 200 \
+      --timeout-s 120 --timers --profile-steps 400 40 --out "$OUT/fleet" "$@"
     log "fleet done" ;;
   *)
     echo "unknown step $step"; exit 2 ;;
