@@ -34,7 +34,11 @@ compilation. With `--timers`, the engine core's host time per engine step,
 by vLLM and sekv method (`host_timers.py`), over the same span; with
 `--profile-steps FIRST COUNT`, the device time per engine step by kernel and
 copy over COUNT engine steps from step FIRST (`step_profile.py`). Each engine
-has `--start-timeout-s` to start and then `--timeout-s` to serve the fleet. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
+has `--start-timeout-s` to start and then `--timeout-s` to serve the fleet.
+With `--run-dir DIR` the engines of one comparison may run over several
+invocations (one device call each, where an engine at full scale takes
+minutes): DIR keeps the workload, which each invocation must repeat, and
+every engine's row, and the report covers them all. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
 `summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
 "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
 "ttft_p99_s"}]}`.
@@ -326,8 +330,8 @@ def summarize(spec: dict, steps: list[dict], samples: list[dict], memory: PeakMe
     }
 
 
-def report(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
-    meta = H.meta(H.command(__file__))
+def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list[str]) -> None:
+    meta = H.meta(commands)
     held = args.sessions * (args.first_tokens + args.steps * (args.step_tokens + args.decode_tokens))
     lines = [
         *H.header_from(meta, TITLE),
@@ -421,13 +425,16 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
                     help="profile the device over COUNT engine steps from step FIRST (benchmarks/gpu/step_profile.py)")
     ap.add_argument("--out", default=str(H.results_dir("fleet") / "report"), help="writes OUT.json and OUT.md")
+    ap.add_argument("--run-dir", help="a folder that keeps the workload, commands and rows of one comparison "
+                    "whose engines run over several invocations (the report covers them all)")
     args = ap.parse_args()
     if args.engine_spec:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
         return
     from vllm_sekv.config import parse_size_bytes
 
-    workdir = Path(tempfile.mkdtemp(prefix="fleet_e2e_"))
+    workdir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="fleet_e2e_"))
+    workdir.mkdir(parents=True, exist_ok=True)
     model_dir, load_format, vocab = model_folder(args.model, workdir)
     longest = args.first_tokens + args.steps * (args.step_tokens + args.decode_tokens)
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab_size": vocab,
@@ -437,14 +444,54 @@ def main() -> None:
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s,
             "start_timeout_s": args.start_timeout_s}
-    rows = []
+    rows, commands = RunDir(workdir).join(base, H.command(__file__)) if args.run_dir else ([], [H.command(__file__)])
     for engine in args.engines:  # the report after each engine: a run cut short keeps what it measured
         timers = str(workdir / f"timers-{engine}") if args.timers else None
         profile = f"{workdir / f'profile-{engine}'}:{args.profile_steps[0]}:{args.profile_steps[1]}" \
             if args.profile_steps else None
         if row := run_engine({**base, "engine": engine, "timers": timers, "profile": profile}, workdir):
-            rows.append(row)
-            report(rows, args, Path(args.out))
+            rows = [r for r in rows if r["engine"] != engine] + [row]
+            if args.run_dir:
+                RunDir(workdir).keep(row)
+            report(rows, args, Path(args.out), commands)
+
+
+class RunDir:
+    """One comparison's engines measured over several invocations (`--run-dir`,
+    e.g. one device call each): the folder keeps the workload, which every
+    invocation must repeat, the commands, and each engine's row."""
+
+    # what may differ between invocations: how long an engine may take, and the
+    # share of device memory it may ask for (its KV cache is sized by tokens)
+    FREE = ("timeout_s", "start_timeout_s", "gpu_memory_utilization")
+
+    def __init__(self, path: Path) -> None:
+        self.workload, self.commands, self.rows = path / "workload.json", path / "commands.txt", path / "rows.jsonl"
+
+    def join(self, base: dict, command: str) -> tuple[list[dict], list[str]]:
+        """The rows and commands so far, this invocation's command added; exits
+        if `base` is not the folder's workload."""
+        workload = {k: v for k, v in base.items() if k not in self.FREE}
+        if self.workload.exists():
+            kept = json.loads(self.workload.read_text())
+            differ = sorted(k for k in {*kept, *workload} if kept.get(k) != workload.get(k))
+            if differ:
+                sys.exit(f"--run-dir {self.workload.parent}: this invocation's workload differs in {', '.join(differ)}")
+        else:
+            self.workload.write_text(json.dumps(workload))
+        with self.commands.open("a") as f:
+            f.write(command + "\n")
+        rows: dict[str, dict] = {}
+        if self.rows.exists():
+            for line in self.rows.read_text().splitlines():
+                row = json.loads(line)
+                rows.pop(row["engine"], None)
+                rows[row["engine"]] = row  # measured again: the latest row, in its place in the order
+        return list(rows.values()), self.commands.read_text().splitlines()
+
+    def keep(self, row: dict) -> None:
+        with self.rows.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

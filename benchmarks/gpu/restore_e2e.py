@@ -78,7 +78,7 @@ def model_folder(model_dir: str | None, workdir: Path) -> tuple[str, str, int]:
     if model_dir:
         return str(model_dir), "auto", json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     folder = workdir / "llama31-8b"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(LLAMA31_8B))
     return str(folder), "dummy", LLAMA31_8B["vocab_size"]
 

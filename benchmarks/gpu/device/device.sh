@@ -24,7 +24,8 @@
 #   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: native, sekv and sekv-fp8 serving concurrent
 #                   sessions (each engine 200 s to start, 120 s to serve; `--engines plain ...`
 #                   adds plain vLLM), with host timers and a device profile of 40 engine steps,
-#                   report and summary to $OUT/fleet.*, $OUT/summary.json
+#                   report and summary to $OUT/fleet.*, $OUT/summary.json; a workload too long
+#                   for one call: one engine per call, `--engines E --run-dir /tmp/fleetrun` in each
 #
 # Every step writes its log under $OUT and prints how long it took. Reports name
 # the commit from $SEKV_COMMIT (the copy of the tree here has no git history):
