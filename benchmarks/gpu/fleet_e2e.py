@@ -38,8 +38,9 @@ has `--start-timeout-s` to start and then `--timeout-s` to serve the fleet.
 With `--run-dir DIR` the engines of one comparison may run over several
 invocations (one device call each, where an engine at full scale takes
 minutes): DIR keeps the workload, which each invocation must repeat, and
-every engine's row, and the report covers them all. Writes OUT.json (every step of every session) and OUT.md, headed by machine, commit and command, and
-`summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
+every engine's row, and the report covers them all. Writes OUT.json (every
+step of every session) and OUT.md, headed by machine, commit and command(s),
+and `summary.json` beside them: `{"machine", "commit", "rows": [{"engine",
 "codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s",
 "ttft_p99_s"}]}`.
 """
