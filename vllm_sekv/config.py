@@ -110,6 +110,11 @@ class SekvConfig:
     # layerwise when the blocks lie in long runs of consecutive host slots (a
     # restored history), batched when they are scattered (a view's selection).
     restore_mode: str = "auto"
+    # Device memory for blocks kept between restores (CUDA, batched restores;
+    # 0 = none): a view step copies the blocks an earlier step brought from
+    # this pool, on the device, and moves over PCIe only the others, with the
+    # same result bit for bit. The least recently used blocks make room.
+    resident_bytes: int = 0
     # Folder of the NVMe tier ("" = no NVMe tier). Workspaces written there
     # survive a restart; one server per folder (it is locked).
     nvme_dir: str = ""
@@ -246,7 +251,7 @@ class SekvConfig:
     # model is known).
     workspace_codec: str = "exact"
 
-    _SIZES = ("host_bytes", "nvme_bytes")
+    _SIZES = ("host_bytes", "nvme_bytes", "resident_bytes")
     _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec", "hash_secret", "remote_url",
                 "remote_prefix")
     _FLOATS = ("anchor_alpha", "lexical_weight")

@@ -311,10 +311,10 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
 def summary_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     """One flat row per sekv engine and session size: the median step's time
     to first token, decode speed against plain vLLM's (measured at the largest
-    size only, else None), GPU memory allocated, and the view's blocks: all
-    moved from host memory (`moved_blocks`, the last step's restored tokens
-    over the block size); `resident_blocks` (placed from a GPU-resident pool)
-    is 0, there being no such pool."""
+    size only, else None), GPU memory allocated, and the last step's view
+    blocks: placed from the device's resident pool (`resident_blocks`, with
+    `resident_bytes`) and moved from host memory (`moved_blocks`: the rest of
+    its restored tokens over the block size)."""
     plain = next((r for r in rows if r["engine"] == "plain"), None)
     plain_decode = (plain or {}).get("decode", {}).get("decode_s_per_token")
     out = []
@@ -331,7 +331,8 @@ def summary_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
                     "decode_ms_per_token": None if decode is None else round(decode * 1e3, 3),
                     "plain_decode_ms_per_token": None if plain_decode is None else round(plain_decode * 1e3, 3),
                     "gpu_gib": round(r["memory"]["allocated_gib"], 2),
-                    "moved_blocks": restored // block_tokens, "resident_blocks": 0})
+                    "moved_blocks": restored // block_tokens - params.get("resident_blocks", 0),
+                    "resident_blocks": params.get("resident_blocks", 0)})
     return out
 
 

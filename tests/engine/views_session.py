@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 from test_http_serve import post
-from testbed.serving import LocalServer
+from testbed.serving import LocalServer, metrics
 
 VIEW = {"view_tokens": 4096}
 HISTORY_TOKENS = 16384
@@ -54,7 +54,9 @@ def needle_block(tok, tasks, task):
 
 
 def run_reader_session(model_dir, eval_tasks, sekv, vllm_args, env):
-    """(tokenizer, task, step responses, 1-token answer, answer, answer after the edit)."""
+    """(tokenizer, task, step responses, 1-token answer, answer, answer after the edit);
+    the last response carries the server's `vllm:sekv_*` counters at the end
+    (`server_metrics`)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -81,6 +83,7 @@ def run_reader_session(model_dir, eval_tasks, sekv, vllm_args, env):
         edited = task.messages[: late - 1] + task.messages[late + 1 :]
         after_edit = post(server.url, "/v1/chat/completions",
                           {**question, "messages": edited, "max_tokens": 10})
+        after_edit["server_metrics"] = metrics(server.url, "vllm:sekv_")
     return tok, task, steps, one, answer, after_edit
 
 

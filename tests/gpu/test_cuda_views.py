@@ -8,7 +8,9 @@ final views restore re-RoPE'd history from the pinned pool (scattered blocks:
 batched restores), every step stays inside the model's window. Served three times:
 with the default index, and with SeKV surprisal on (anchor summaries, anchor
 tokens in the views), and with SeKV's coarse summaries (merged by the
-Triton kernel) and lowrank restores.
+Triton kernel) and lowrank restores. With a resident pool (diff restores)
+the default index's session gives the same responses, token for token, while
+later views place blocks from the device.
 """
 import sys
 from pathlib import Path
@@ -33,6 +35,8 @@ CONFIGS = {
     # selected history rebuilt on the GPU from host-side lowrank factors.
     "sekv-coarse": {"surprisal": "on", "coarse": "on", "restore_codec": "lowrank(16)",
                     "index_summary": "sub8a_pre", "index_combine": "max"},
+    # Diff restores: blocks of earlier views kept on the device.
+    "mean-k-resident": {"resident_bytes": "512M"},
 }
 
 
@@ -68,3 +72,19 @@ def test_the_distant_fact_is_selected_and_answered(session, eval_tasks):
         view = sekv(answer)["view"]
         assert 0 < view["summaries"] <= VIEW["view_tokens"] // 10
         assert view["view_tokens"] + view["summaries"] <= VIEW["view_tokens"]
+
+
+def test_resident_blocks_serve_the_same_views_with_fewer_bytes_moved(session, model_dir, eval_tasks):
+    """The same session with and without the resident pool: every response the
+    same, token for token; the resident one placed blocks from the device and
+    moved fewer bytes over PCIe."""
+    name, (_, _, steps, one, answer, after_edit) = session
+    if name != "mean-k-resident":
+        pytest.skip("compares the resident session with the default one")
+    _, _, base_steps, base_one, base_answer, base_edit = run_reader_session(model_dir, eval_tasks, CONFIGS["mean-k"],
+                                                                           VLLM_ARGS, ENV)
+    for got, want in zip([*steps, one, answer, after_edit], [*base_steps, base_one, base_answer, base_edit]):
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    counts, base = after_edit["server_metrics"], base_edit["server_metrics"]
+    assert counts.get("vllm:sekv_resident_blocks_total", 0) > 0
+    assert counts["vllm:sekv_restored_bytes_total"] < base["vllm:sekv_restored_bytes_total"]

@@ -39,7 +39,7 @@ class Layer:
         kv_cache[1, slots[keep]] = value[keep]
 
 
-def _setup(restore_mode="layerwise", codec="exact"):
+def _setup(restore_mode="layerwise", codec="exact", resident_bytes=0):
     pool = HostPool(SLOTS, LAYERS, BT, HEADS, D, torch.float32, codec=codec)
     kv = torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0))
     if codec == "exact":
@@ -52,7 +52,7 @@ def _setup(restore_mode="layerwise", codec="exact"):
     context = SimpleNamespace(no_compile_layers={name: Layer() for name in names})
     restores = DeviceRestores(pool, CaptureWriter(pool, torch.device("cpu")), caches,
                               {name: i for i, name in enumerate(names)}, GEOMETRY, ROPE, BT, restore_mode,
-                              torch.device("cpu"), layerwise_copies=True)
+                              torch.device("cpu"), layerwise_copies=True, resident_bytes=resident_bytes)
     return pool, caches, context, restores
 
 
@@ -224,3 +224,51 @@ def test_scattered_slots_go_batched_in_auto_mode_and_get_no_head_start():
     assert restores._head_start is None
     restores.head_start_match(np.array([1, 5, 9, 13]))
     assert restores._head_start is None
+
+
+class Counts:
+    """A stats stand-in: sums what is added."""
+
+    def __init__(self):
+        self.data = {}
+
+    def add(self, key, amount):
+        self.data[key] = self.data.get(key, 0) + amount
+
+
+@pytest.mark.parametrize("codec", ["exact", "fp8"])
+def test_a_view_step_places_the_blocks_an_earlier_step_brought_and_moves_only_the_rest(codec):
+    """Diff restores (`resident_bytes`): batched restores keep their blocks on
+    the device; the next step's restore of mostly the same slots, elsewhere in
+    the cache and at other positions, copies those there and moves only the
+    new ones, and every token lands as a full restore writes it. A slot the
+    step rewrites is never placed from its old copy."""
+    pool, caches, context, restores = _setup("batched", codec, resident_bytes=16 * pool_slot_bytes(codec))
+    first = _op(np.arange(len(_op().host_rows), dtype=np.int64) * 7 - 50)
+    assert restores.start(context, 1, [first]) == []  # no timing events on the CPU
+    counts = Counts()
+    assert restores.account("r", 0, counts) > 0 and counts.data["resident_blocks"] == 0
+    _check(pool, caches, first)
+    # next step: slots 5, 6 and 20 again, 9 new; slot 4 rewritten since (a capture, an NVMe read)
+    restores.drop_rewritten({4})
+    pool.write_rows_all_layers(torch.arange(4 * BT, 5 * BT), torch.randn(2, LAYERS, BT, HEADS, D))
+    host_rows = np.concatenate([np.arange(9 * BT, 10 * BT), np.arange(4 * BT, 7 * BT), np.arange(20 * BT, 21 * BT)])
+    paged = np.arange(len(host_rows), dtype=np.int64) * 2 + 1
+    second = RestoreOp("r", paged_slots=paged, host_rows=host_rows, rope_deltas=np.full(len(host_rows), 300))
+    restores.start(context, 2, [second])
+    counts = Counts()
+    moved = restores.account("r", 0, counts)
+    assert counts.data["resident_blocks"] == 3  # 5, 6, 20
+    assert moved == 2 * pool.block_bytes + 3 * (pool.block_bytes - pool_slot_bytes(codec))  # 9 and 4 whole, scales
+    _check(pool, caches, second)
+
+
+def pool_slot_bytes(codec):
+    """Bytes of one slot's K/V in the pool (its scales aside)."""
+    pool = HostPool(1, LAYERS, BT, HEADS, D, torch.float32, codec=codec)
+    return pool.data[0].numel() * pool.data.element_size()
+
+
+def test_a_resident_pool_too_small_for_one_block_fails_at_start_naming_the_key():
+    with pytest.raises(ValueError, match="'resident_bytes'"):
+        _setup("batched", resident_bytes=pool_slot_bytes("exact") - 1)

@@ -35,8 +35,9 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     is confirmed when every rank finished it, a slot failed if any rank failed
     it, a restore took as long as the slowest rank, NVMe completions of all
     ranks are passed on for the scheduler side to count, each rank's probe
-    scores (its own heads) are stacked, and surprisal comes from the rank
-    that computed it.
+    scores (its own heads) are stacked, surprisal comes from the rank
+    that computed it, and a request's blocks placed from the resident pool
+    are counted once (every rank places the same).
     """
 
     confirmed_step: int
@@ -57,6 +58,9 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
     # paged capture checks), folded into `restore_seconds` and `failed_slots`
     # by `settled()`. Read those two only from `settled()`.
     pending: list[Any] = field(default_factory=list)
+    # Blocks of this step's restores copied from the device's resident pool
+    # instead of moved from the host (`resident_bytes`): req_id -> blocks.
+    resident_blocks: dict[str, int] = field(default_factory=dict)
 
     def settled(self) -> "SekvWorkerMeta":
         """This report with every pending device fact read in. It waits only
@@ -87,6 +91,8 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
                 for req_id in self.scores.keys() | other.scores.keys()
             },
             surprisal=self.surprisal if self.surprisal is not None else other.surprisal,
+            resident_blocks={req_id: max(m.resident_blocks.get(req_id, 0) for m in (self, other))
+                             for req_id in self.resident_blocks.keys() | other.resident_blocks.keys()},
         )
 
 

@@ -22,6 +22,7 @@ _COUNTERS = {
     "probes": "Probe passes that scored the views' block index",
     "surprisal_tokens": "Captured tokens whose surprisal the model's own logits recorded (SeKV)",
     "restored_bytes": "Bytes moved host->device by restores (lowrank factors where restore_codec is lossy)",
+    "resident_blocks": "Restored blocks copied from the device's resident pool instead of the host (resident_bytes)",
     "summaries": "SeKV coarse summaries built for views (one pseudo-token each)",
     "summary_bytes": "Bytes of SeKV coarse summaries placed on the device (K and V, all layers)",
     "coarse_rows": "Attention rows (token x layer) with SeKV summaries merged in",

@@ -182,13 +182,16 @@ class SekvSchedulerSide:
         if not isinstance(meta, SekvWorkerMeta):
             return
         meta = meta.settled()
-        for req_id, seconds in meta.restore_seconds.items():
+        for req_id in meta.restore_seconds.keys() | meta.resident_blocks.keys():
+            seconds, placed = meta.restore_seconds.get(req_id, 0.0), meta.resident_blocks.get(req_id, 0)
             st = self.planner.requests.get(req_id)
             if st is not None:
                 st.restore_seconds += seconds
+                st.resident_blocks += placed
             params = self._open_params.get(req_id)
             if params is not None:  # finished this step: its last restore adds to what it reported
                 params["restore_ms"] = round(params["restore_ms"] + 1000.0 * seconds, 3)
+                params["resident_blocks"] += placed
         for req_id, rows in meta.scores.items():
             self.views.set_scores(req_id, rows)
         if meta.surprisal is not None:
@@ -222,6 +225,7 @@ class SekvSchedulerSide:
             "prefilled_tokens": st.num_prompt_tokens - cached,
             "vllm_cached_tokens": cached - restored,
             "restore_ms": round(1000.0 * st.restore_seconds, 3) if restored else 0.0,
+            "resident_blocks": st.resident_blocks,  # restored from the device's resident pool, not moved
             "workspace_blocks": self.catalog.tenant_blocks(st.tenant),  # this tenant's only
         }
         if view_info is not None:

@@ -26,10 +26,16 @@ the host, a few hundred bytes per block) go to the device and are handed to
 the scatter (`ops.scatter_rerope(..., scales=)`) or to `write` as a fourth
 argument, which dequantize there.
 
+Given `resident` (`store.resident.ResidentBlocks`), blocks kept on the device
+are copied into the staging buffer there instead of from the host, and moved
+ones are kept for later restores (a diff restore; the handle counts both):
+a batch's staging holds its moved blocks first, then its resident ones, and
+the batch's slot mapping and deltas are permuted to match.
+
 What each call mutates: the destination caches (at the given slots, on the
-compute stream) and the pipeline's staging buffers. The host pool is read
-until the returned handle completes (do not overwrite those slots before
-`handle.wait()` or a stream wait on `handle.event`). Bad arguments raise
+compute stream), the pipeline's staging buffers, and `resident`'s entries.
+The host pool is read until the returned handle completes (do not overwrite
+those slots before `handle.wait()` or a stream wait on `handle.event`). Bad arguments raise
 ValueError before any work is enqueued. No vLLM imports.
 """
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 from vllm_sekv import ops
 from vllm_sekv.store import cudart
 from vllm_sekv.store.host_pool import to_device
+from vllm_sekv.store.resident import ResidentBlocks
 from vllm_sekv.store.slot_runs import runs
 from vllm_sekv.ops import RopeSpec
 
@@ -105,7 +112,8 @@ class RestoreHandle:
 
     event: torch.cuda.Event | None
     num_blocks: int
-    num_bytes: int
+    num_bytes: int  # host -> device
+    placed_blocks: int = 0  # copied from the device's resident blocks instead
 
     def wait(self) -> None:
         """Block the calling thread until the restore has finished on the device."""
@@ -166,6 +174,7 @@ class RestorePipeline:
         rope: RopeSpec,
         write: "Callable[..., None] | None" = None,
         scales: torch.Tensor | None = None,
+        resident: ResidentBlocks | None = None,
     ) -> RestoreHandle:
         """Restore blocks `pool[host_slots[j]]` (j-th block = batch tokens
         `[j*block_tokens, (j+1)*block_tokens)`) into the caches at `slot_mapping`,
@@ -181,6 +190,9 @@ class RestorePipeline:
         exactly when the pool is fp8): `write` then gets the batch's scales as
         a fourth argument.
 
+        `resident`: blocks kept on the device (module doc); `host_slots` must
+        then be distinct.
+
         Non-blocking on CUDA; returns a handle whose event marks completion on
         the current stream. The pool's slots are read until then.
         """
@@ -195,40 +207,44 @@ class RestorePipeline:
             raise ValueError("host slot out of range")
         slots_dev = slot_mapping.to(self.device, torch.int64)
         deltas_dev = delta_positions.to(self.device, torch.int64)
+        if resident is not None and len(set(host_slots)) != n:
+            raise ValueError("a restore with resident blocks takes distinct host slots")
         if not self.is_cuda:
             return self._restore_cpu(pool, host_slots, key_caches, value_caches, slots_dev, deltas_dev, rope, write,
-                                     scales)
+                                     scales, resident)
         if not cudart.is_page_locked(pool):
             raise ValueError("a CUDA restore reads a page-locked (pinned) host pool")
         compute = torch.cuda.current_stream(self.device)
         # The copies follow what the compute stream was told to wait for (the
         # captures that wrote these slots, `CaptureWriter.order`).
         self.copy_stream.wait_stream(compute)
-        bt = self.block_tokens
+        moved = placed = 0
         for i, b0 in enumerate(range(0, n, self.batch_blocks)):
             b1 = min(n, b0 + self.batch_blocks)
             buf = i % len(self._dev)
+            batch = _Batch.of(host_slots, b0, b1, resident)
+            staged = self._dev[buf][:b1 - b0]
             with torch.cuda.stream(self.copy_stream):
                 if self._scatter_done[buf] is not None:  # the scatter that last read this buffer
                     self.copy_stream.wait_event(self._scatter_done[buf])
-                for d, s, m in runs(host_slots[b0:b1]):
-                    self._dev[buf][d:d + m].copy_(pool[s:s + m], non_blocking=True)
+                for d, s, m in runs(batch.moved_slots):
+                    staged[d:d + m].copy_(pool[s:s + m], non_blocking=True)
+                batch.keep(staged, resident, self.device)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             compute.wait_event(done)
-            staged = self._dev[buf][:b1 - b0]
-            batch_slots, batch_deltas = slots_dev[b0 * bt:b1 * bt], deltas_dev[b0 * bt:b1 * bt]
+            batch_slots, batch_deltas = batch.tokens(slots_dev, deltas_dev, self.block_tokens)
             batch_scales = None
             if scales is not None:  # a few hundred bytes a block, on the compute stream
-                batch_scales = to_device(scales[torch.as_tensor(list(host_slots[b0:b1]), dtype=torch.int64)],
-                                         self.device)
+                batch_scales = to_device(scales[torch.as_tensor(batch.slots, dtype=torch.int64)], self.device)
             self._write(staged, key_caches, value_caches, batch_slots, batch_deltas, rope, write, batch_scales)
             ev = torch.cuda.Event()
             ev.record(compute)
             self._scatter_done[buf] = ev
+            moved, placed = moved + len(batch.moved_slots), placed + batch.num_placed
         end = torch.cuda.Event()
         end.record(compute)
-        return RestoreHandle(end, n, n * self.block_bytes)
+        return RestoreHandle(end, n, moved * self.block_bytes + placed * self.scale_bytes, placed)
 
     @staticmethod
     def _write(staged, key_caches, value_caches, slots, deltas, rope, write, scales) -> None:
@@ -241,19 +257,75 @@ class RestorePipeline:
             ops.scatter_rerope(staged, key_caches, value_caches, slots, deltas, rope, scales=scales)
 
     def _restore_cpu(self, pool, host_slots, key_caches, value_caches, slots, deltas, rope, write,
-                     scales) -> RestoreHandle:
-        bt = self.block_tokens
+                     scales, resident) -> RestoreHandle:
+        moved = placed = 0
         for b0 in range(0, len(host_slots), self.batch_blocks):
             b1 = min(len(host_slots), b0 + self.batch_blocks)
+            batch = _Batch.of(host_slots, b0, b1, resident)
             staging = self._dev[0][:b1 - b0]
-            self.gatherer.gather(pool, host_slots[b0:b1], staging)
+            self.gatherer.gather(pool, batch.moved_slots, staging)
+            batch.keep(staging, resident, self.device)
             batch_scales = None
             if scales is not None:
-                batch_scales = scales[torch.as_tensor(list(host_slots[b0:b1]), dtype=torch.int64)]
-            self._write(staging, key_caches, value_caches, slots[b0 * bt:b1 * bt], deltas[b0 * bt:b1 * bt], rope,
-                        write, batch_scales)
-        return RestoreHandle(None, len(host_slots), len(host_slots) * self.block_bytes)
+                batch_scales = scales[torch.as_tensor(batch.slots, dtype=torch.int64)]
+            batch_slots, batch_deltas = batch.tokens(slots, deltas, self.block_tokens)
+            self._write(staging, key_caches, value_caches, batch_slots, batch_deltas, rope, write, batch_scales)
+            moved, placed = moved + len(batch.moved_slots), placed + batch.num_placed
+        return RestoreHandle(None, len(host_slots), moved * self.block_bytes + placed * self.scale_bytes, placed)
 
     def close(self) -> None:
         if self.gatherer is not None:
             self.gatherer.close()
+
+
+@dataclass
+class _Batch:
+    """One batch of a restore in staging order: its moved blocks first
+    (`moved_slots`, copied from the host into staging rows 0..), then its
+    resident ones (copied on the device into the rows after them)."""
+
+    b0: int
+    slots: list[int]  # host slots in staging order
+    moved_slots: list[int]
+    order: np.ndarray | None  # staging row -> index in the batch (None: the batch's own order)
+    placed_entries: list[int]
+    admit_entries: list[int]  # entries for moved_slots[:len(admit_entries)]
+
+    @classmethod
+    def of(cls, host_slots: Sequence[int], b0: int, b1: int, resident: ResidentBlocks | None) -> "_Batch":
+        slots = [int(s) for s in host_slots[b0:b1]]
+        if resident is None:
+            return cls(b0, slots, slots, None, [], [])
+        plan = resident.plan(slots, keep=host_slots)
+        order = np.asarray(plan.moved + [i for i, _ in plan.placed], dtype=np.int64)
+        return cls(b0, [slots[i] for i in order], [slots[i] for i in plan.moved], order,
+                   [e for _, e in plan.placed], [e for _, e in plan.admit])
+
+    @property
+    def num_placed(self) -> int:
+        return len(self.placed_entries)
+
+    def keep(self, staged: torch.Tensor, resident: ResidentBlocks | None, device: torch.device) -> None:
+        """Fill the resident blocks' staging rows from the device and keep the
+        admitted moved ones there (after their host copies, on the current
+        stream)."""
+        if resident is None:
+            return
+        m = len(self.moved_slots)
+        kept, rows = resident.data.view(torch.uint8), staged.view(torch.uint8)  # any dtype, fp8 included
+        if self.placed_entries:
+            entries = to_device(np.asarray(self.placed_entries, dtype=np.int64), device)
+            torch.index_select(kept, 0, entries, out=rows[m:m + len(self.placed_entries)])
+        if self.admit_entries:
+            entries = to_device(np.asarray(self.admit_entries, dtype=np.int64), device)
+            kept.index_copy_(0, entries, rows[:len(self.admit_entries)])
+
+    def tokens(self, slot_mapping: torch.Tensor, deltas: torch.Tensor,
+               block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's slot mapping and deltas, in staging order."""
+        lo, hi = self.b0 * block_tokens, (self.b0 + len(self.slots)) * block_tokens
+        if self.order is None or (self.order == np.arange(len(self.order))).all():
+            return slot_mapping[lo:hi], deltas[lo:hi]
+        rows = (self.order[:, None] * block_tokens + np.arange(block_tokens)[None, :]).reshape(-1)
+        rows = to_device(rows, slot_mapping.device)
+        return slot_mapping[lo:hi].index_select(0, rows), deltas[lo:hi].index_select(0, rows)

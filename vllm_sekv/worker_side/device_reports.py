@@ -106,3 +106,20 @@ class CaptureCheck:
     def apply(self, restore_seconds: dict[str, float], failed_slots: set[int]) -> None:
         """Fold into a report: the failed host slots."""
         failed_slots |= self.failed()
+
+
+def count_settled(facts: list, stats: Any, capture: Any, wait: bool = False) -> list:
+    """Count the device facts that are in (with `wait`: every one, waiting
+    for them) into `stats` (restore seconds) and `capture` (slots of a check
+    that failed: dropped blocks; the report carries the slots, here they are
+    only counted); returns the facts still on the device, for a later step."""
+    waiting = []
+    for fact in facts:
+        if not (wait or fact.ready()):
+            waiting.append(fact)
+        elif isinstance(fact, RestoreTiming):
+            stats.add("restore_seconds", fact.seconds())
+        elif fact.failed():
+            capture.count_dropped(len(fact.failed()), "rows missing from the batch")
+    return waiting
+

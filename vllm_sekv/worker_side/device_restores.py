@@ -19,7 +19,11 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
   start of another step (or other slots) is dropped: the stream its buffers
   belong to waits for its copies;
 * batched (`RestorePipeline`): whole slots, every layer written before the
-  forward.
+  forward. With `resident_bytes` (a view's restores, diff restores) the
+  blocks an earlier batched restore brought stay on the device
+  (`ResidentBlocks`) and are copied there; only the others cross PCIe. The
+  worker drops the slots each step rewrites (`drop_rewritten`) before any
+  restore of the step.
 
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
 slots' scales; `LayerWriter` gets float32 K/V dequantized on the device,
@@ -34,7 +38,8 @@ Each restore's transfer time travels in the step's report as a
 `RestoreTiming` (CUDA events, read when they are in). One instance per
 worker, used from the forward thread (vLLM calls the scheduler side there
 too when it hands over plans). The layer-by-layer path also runs on CPU
-(synchronous copies), where tests drive it; the batched path is CUDA only.
+(synchronous copies), where tests drive it, and so does the batched path
+(without timings).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store.capture import CaptureWriter
 from vllm_sekv.store.host_pool import HostPool, to_device
 from vllm_sekv.store.layerwise import LayerwiseRestore
+from vllm_sekv.store.resident import ResidentBlocks
 from vllm_sekv.store.slot_runs import mean_run_length, run_starts
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.workspace.step_plan import RestoreOp
@@ -195,11 +201,13 @@ class DeviceRestores:
     `kv_caches` / `layer_of`: vLLM's paged caches by layer name and each
     name's layer index; `capture_writer`: the worker's, whose copies into the
     pool every restore's copies are ordered after; `layerwise_copies`:
-    whether layer-by-layer copies are available (CUDA: libcudart found)."""
+    whether layer-by-layer copies are available (CUDA: libcudart found);
+    `resident_bytes`: device memory for blocks kept between batched restores
+    (0: none)."""
 
     def __init__(self, pool: HostPool, capture_writer: CaptureWriter, kv_caches: dict[str, torch.Tensor],
                  layer_of: dict[str, int], geometry: Any, rope: Any, block_tokens: int, restore_mode: str,
-                 device: torch.device, layerwise_copies: bool) -> None:
+                 device: torch.device, layerwise_copies: bool, resident_bytes: int = 0) -> None:
         self.pool = pool
         self.capture_writer = capture_writer
         self.kv_caches = kv_caches
@@ -212,6 +220,21 @@ class DeviceRestores:
         self.layerwise_copies = layerwise_copies
         self.pipeline = RestorePipeline(tuple(pool.data.shape[1:]), pool.data.dtype, device)
         self._copy_stream = getattr(self.pipeline, "copy_stream", None)  # CUDA only
+        self.resident: ResidentBlocks | None = None
+        if resident_bytes:
+            slot_bytes = pool.data[0].numel() * pool.data.element_size()
+            if resident_bytes < slot_bytes:
+                raise ValueError(f"sekv config 'resident_bytes': {resident_bytes} bytes hold no block "
+                                 f"({slot_bytes} bytes each); use 0 or at least {slot_bytes}")
+            try:
+                self.resident = ResidentBlocks(resident_bytes // slot_bytes, pool.data.shape[1:], pool.data.dtype,
+                                               device)
+            except torch.OutOfMemoryError as e:  # vLLM gave the device's memory to its own cache
+                raise ValueError(f"sekv config 'resident_bytes': {resident_bytes} bytes do not fit beside vLLM's "
+                                 "KV cache; lower it or vLLM's --gpu-memory-utilization") from e
+        # Per request restored in batches this step: (bytes moved, blocks placed from `resident`).
+        self._transfers: dict[str, tuple[int, int]] = {}
+        self._placed: dict[str, int] = {}  # accounted this step, for the step's report
         # This step's layer-by-layer restores (one, or two when a head start
         # begun at a match serves one of its requests), each with its
         # requests' shares of its blocks.
@@ -377,14 +400,44 @@ class DeviceRestores:
         for op in ops:
             slots, mapping, deltas = slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt)
             writer = self._writer(forward_context, op.rope_deltas is not None)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.device),
-                                  to_device(deltas, self.device), self.rope, write=writer.batch,
-                                  scales=self.pool.scales)
-            end.record()
-            timings.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
+            timed = self.device.type == "cuda"  # timing events: CUDA only
+            if timed:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            handle = self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.device),
+                                           to_device(deltas, self.device), self.rope, write=writer.batch,
+                                           scales=self.pool.scales, resident=self._resident_for(slots))
+            self._transfers[op.req_id] = (handle.num_bytes, handle.placed_blocks)
+            if timed:
+                end.record()
+                timings.append(RestoreTiming(start, end, [(op.req_id, 1.0)]))
         return timings
+
+    def _resident_for(self, slots: np.ndarray) -> ResidentBlocks | None:
+        """The resident pool for a batched restore of `slots`, which must be
+        distinct (a slot in two runs of an op's rows goes without it)."""
+        return self.resident if self.resident is not None and len(np.unique(slots)) == len(slots) else None
+
+    def drop_rewritten(self, host_slots: set[int]) -> None:
+        """Before a step's restores: forget the resident copies of the host
+        slots the step rewrites (`StepPlan.rewritten_slots`)."""
+        if self.resident is not None and host_slots:
+            self.resident.drop(host_slots)
+
+    def account(self, req_id: str, rows_bytes: int, stats: Any) -> int:
+        """The bytes this step's restore of `req_id` moves over PCIe
+        (`rows_bytes`, its rows' bytes in the pool, unless it went batched);
+        the blocks it placed from the resident pool go to `stats`."""
+        moved, placed = self._transfers.pop(req_id, (rows_bytes, 0))
+        stats.add("resident_blocks", placed)
+        if placed:
+            self._placed[req_id] = self._placed.get(req_id, 0) + placed
+        return moved
+
+    def take_placed(self) -> dict[str, int]:
+        """Blocks placed from the resident pool per request since the last call."""
+        placed, self._placed = self._placed, {}
+        return placed
 
     def load(self, layer_name: str) -> None:
         """Before a layer's attention: its restored KV is in the paged cache

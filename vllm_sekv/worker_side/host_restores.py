@@ -56,7 +56,7 @@ class HostRestores:
         # SeKV lowrank copies of host blocks, one tier per rank a restore may ask for.
         self.lowrank = {rank: LowRankTier(LowRankCodec(rank), block_tokens, rope) for rank in ranks}
 
-    def drop_stale(self, slots: set[int]) -> None:
+    def drop_rewritten(self, slots: set[int]) -> None:
         """Slots taking new bytes this step: their low-rank factors are stale."""
         for slot in slots:
             for tier in self.lowrank.values():

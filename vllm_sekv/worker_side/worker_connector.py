@@ -54,7 +54,7 @@ from vllm_sekv.config import SekvConfig
 from vllm_sekv.worker_side.coarse_attention import CoarseAttention, StepRows
 from vllm_sekv.protocol.metadata import SekvMetadata, SekvWorkerMeta, host_slots
 from vllm_sekv.protocol import head_start
-from vllm_sekv.worker_side.device_reports import CaptureCheck, RestoreTiming
+from vllm_sekv.worker_side.device_reports import CaptureCheck, RestoreTiming, count_settled
 from vllm_sekv.worker_side.index_feed import IndexFeed
 from vllm_sekv.worker_side.forward_capture import ForwardCapture, paged_cache_views
 from vllm_sekv.worker_side.host_restores import HostRestores, restore_ranks
@@ -162,7 +162,7 @@ class SekvWorkerSide:
                                  "(libcudart) that torch loads, and none was found; use auto or batched")
             self.restores = DeviceRestores(self.pool, self.capture_writer, kv_caches, self.layer_of, geo, self.rope,
                                            self.config.block_tokens, self.config.restore_mode, device,
-                                           layerwise_copies=cudart.available())
+                                           cudart.available(), self.config.resident_bytes)
             if cudart.available():
                 head_start.register(head_start.engine_id(self.vllm_config), self)
         if self.config.router_path:
@@ -222,10 +222,10 @@ class SekvWorkerSide:
         self._restored_keys = {}
         if self.coarse is not None:
             self.coarse.finish(plan.coarse_finished)
-        if self.host_restores is not None and self.host_restores.lowrank:  # slots taking new bytes
-            read = (*plan.nvme_reads, *plan.remote_reads)
-            self.host_restores.drop_stale({*np.unique(plan.capture_host_rows // self.config.block_tokens).tolist(),
-                                           *(op.host_slot for op in read)})
+        rewritten = plan.rewritten_slots(self.config.block_tokens)  # copies of them elsewhere go stale
+        for copies in (self.host_restores, self.restores):  # low-rank factors, resident blocks
+            if copies is not None:
+                copies.drop_rewritten(rewritten)
         if self.index_feed is not None:
             self.index_feed.take_plan(plan)
         if self.surprisal is not None:
@@ -269,7 +269,7 @@ class SekvWorkerSide:
                 self._restore_seconds[op.req_id] = time.perf_counter() - t0
                 self.stats.add("restore_seconds", self._restore_seconds[op.req_id])
             else:
-                moved = len(op.host_rows) * row_bytes
+                moved = self.restores.account(op.req_id, len(op.host_rows) * row_bytes, self.stats)
             self.stats.add("restored_bytes", moved)
             self.stats.add("restored_tokens", len(op.host_rows))
             self.stats.add("restores", 1)
@@ -437,7 +437,7 @@ class SekvWorkerSide:
         if self.capture is not None:
             self.capture.flush(plan, self._forward_begun)  # before the step is confirmed: then committable
         self._end_layerwise()
-        self._count_device_reports()
+        self._unsettled = count_settled(self._unsettled, self.stats, self.capture)
         reports, self._device_reports = self._device_reports, []
         self._unsettled += reports
         self._confirmed_step = max(self._confirmed_step, plan.step_id)
@@ -455,23 +455,11 @@ class SekvWorkerSide:
         if scores:
             self.stats.add("probes", len(scores))
         failed = self.capture.take_failed() if self.capture is not None else set()
-        meta = SekvWorkerMeta(self._confirmed_step, failed, self._restore_seconds,
-                              io, scores, surprisal, pending=reports)
+        meta = SekvWorkerMeta(self._confirmed_step, failed, self._restore_seconds, io, scores, surprisal,
+                              pending=reports,
+                              resident_blocks=self.restores.take_placed() if self.restores is not None else {})
         self._restore_seconds = {}
         return meta
-
-    def _count_device_reports(self, wait: bool = False) -> None:
-        """Stats and warnings of the device facts that are in (with `wait`:
-        of every one, waiting for them); the rest wait for a later step."""
-        waiting = []
-        for fact in self._unsettled:
-            if not (wait or fact.ready()):
-                waiting.append(fact)
-            elif isinstance(fact, RestoreTiming):
-                self.stats.add("restore_seconds", fact.seconds())
-            elif fact.failed():  # the report carries the slots; here only counted
-                self.capture.count_dropped(len(fact.failed()), "rows missing from the batch")
-        self._unsettled = waiting
 
     def _drain_io(self) -> list[tuple[str, bytes, bool]]:
         """The NVMe and remote reads and writes finished since the last step,
@@ -494,7 +482,7 @@ class SekvWorkerSide:
 
     def shutdown(self) -> None:
         head_start.unregister(head_start.engine_id(self.vllm_config), self)
-        self._count_device_reports(wait=True)
+        self._unsettled = count_settled(self._unsettled, self.stats, self.capture, wait=True)
         if self.capture_writer is not None:
             self.capture_writer.settle()
         self.transfers.close()

@@ -151,3 +151,9 @@ class StepPlan:
     # write behind, and blocks to read into their (promoted) host slots.
     remote_writes: list[RecordOp] = field(default_factory=list)
     remote_reads: list[RecordOp] = field(default_factory=list)
+
+    def rewritten_slots(self, block_tokens: int) -> set[int]:
+        """Host slots this step writes new bytes into: its captures' and its
+        NVMe and remote reads' (every write into the host tier is planned)."""
+        captured = np.unique(self.capture_host_rows // block_tokens).tolist()
+        return {*captured, *(op.host_slot for op in (*self.nvme_reads, *self.remote_reads))}
