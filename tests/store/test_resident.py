@@ -27,21 +27,29 @@ def test_moved_blocks_take_free_entries_then_the_least_recently_used_ones():
     assert 12 not in resident and resident.plan([14]).admit == [(0, 2)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_diff_restore_places_kept_blocks_and_writes_what_a_full_restore_writes(device):
+def _caches(kv):
+    return [kv[l, 0] for l in range(LAYERS)], [kv[l, 1] for l in range(LAYERS)]
+
+
+def _first_restore(device):
+    """A pool, a pipeline and a resident pool that holds the first restore's blocks."""
     pool, kv, host_slots, slots, deltas = _setup(torch.bfloat16, device)
-    rope = _rope()
     pipe = RestorePipeline(pool.shape[1:], pool.dtype, device, batch_blocks=4, num_threads=2)
     resident = ResidentBlocks(16, pool.shape[1:], pool.dtype, device)
-    caches = lambda t: ([t[l, 0] for l in range(LAYERS)], [t[l, 1] for l in range(LAYERS)])  # noqa: E731
-    first = pipe.restore(pool, host_slots, *caches(kv.clone()), slots, deltas, rope, resident=resident)
+    first = pipe.restore(pool, host_slots, *_caches(kv.clone()), slots, deltas, _rope(), resident=resident)
     first.wait()
     assert first.placed_blocks == 0 and len(resident) == len(host_slots)
+    return pool, kv, host_slots, slots, deltas, pipe, resident
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_diff_restore_places_kept_blocks_and_writes_what_a_full_restore_writes(device):
+    pool, _, host_slots, _, _, pipe, resident = _first_restore(device)
     # the next step: most blocks again, in another order, at other places and positions
     again = [host_slots[i] for i in (3, 0, 7, 5, 1, 2, 8)] + [11, 12]
     _, kv2, _, slots2, deltas2 = _setup(torch.bfloat16, device, seed=1)
-    want = _expected(pool, again, kv2.clone(), slots2, deltas2, rope)
-    handle = pipe.restore(pool, again, *caches(kv2), slots2, deltas2, rope, resident=resident)
+    want = _expected(pool, again, kv2.clone(), slots2, deltas2, _rope())
+    handle = pipe.restore(pool, again, *_caches(kv2), slots2, deltas2, _rope(), resident=resident)
     handle.wait()
     pipe.close()
     torch.testing.assert_close(kv2, want, rtol=0, atol=0)
@@ -51,16 +59,11 @@ def test_a_diff_restore_places_kept_blocks_and_writes_what_a_full_restore_writes
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_dropped_slot_is_moved_again_with_its_new_bytes(device):
-    pool, kv, host_slots, slots, deltas = _setup(torch.bfloat16, device)
-    rope = _rope()
-    pipe = RestorePipeline(pool.shape[1:], pool.dtype, device, batch_blocks=4, num_threads=2)
-    resident = ResidentBlocks(16, pool.shape[1:], pool.dtype, device)
-    caches = lambda t: ([t[l, 0] for l in range(LAYERS)], [t[l, 1] for l in range(LAYERS)])  # noqa: E731
-    pipe.restore(pool, host_slots, *caches(kv.clone()), slots, deltas, rope, resident=resident).wait()
+    pool, kv, host_slots, slots, deltas, pipe, resident = _first_restore(device)
     resident.drop([host_slots[2]])  # its host slot is rewritten
     pool[host_slots[2]] = torch.randn(pool[0].shape, generator=torch.Generator().manual_seed(7)).to(pool.dtype)
-    want = _expected(pool, host_slots, kv.clone(), slots, deltas, rope)
-    handle = pipe.restore(pool, host_slots, *caches(kv), slots, deltas, rope, resident=resident)
+    want = _expected(pool, host_slots, kv.clone(), slots, deltas, _rope())
+    handle = pipe.restore(pool, host_slots, *_caches(kv), slots, deltas, _rope(), resident=resident)
     handle.wait()
     pipe.close()
     torch.testing.assert_close(kv, want, rtol=0, atol=0)
