@@ -33,8 +33,10 @@ Writes OUT.json and OUT.md (default benchmarks/results/gpu_views/report), the
 Markdown headed by the machine, commit and command
 (`benchmarks/report_header.py`), and `summary.json` beside them (one flat row
 per sekv engine and size: `summary_rows`); `--sekv '{"workspace_codec":
-"fp8"}'` serves the session from the fp8 workspace; `--merge A.json B.json` writes one report
-from runs made apart.
+"fp8"}'` serves the session from the fp8 workspace; engine `sekv-resident`
+keeps `--resident-bytes` of restored blocks on the device (diff restores:
+each step moves only the blocks the last ones did not bring); `--merge
+A.json B.json` writes one report from runs made apart.
 """
 from __future__ import annotations
 
@@ -246,7 +248,7 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
 def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | None = None) -> None:
     plain = next((r for r in rows if r["engine"] == "plain"), None)
     plain_sync = next((r for r in rows if r["engine"] == "plain-sync"), None)
-    sekv = [r for r in rows if r["engine"] == "sekv"]
+    sekv = [r for r in rows if r["engine"] in ("sekv", "sekv-resident")]
     sekv_sync = next((r for r in rows if r["engine"] == "sekv-sync" and "decode" in r), None)
     meta = meta or H.meta(H.command(__file__))
     modes = ", ".join(f"{r['engine']} {r['cudagraph_mode']}" for r in {r["engine"]: r for r in rows}.values()
@@ -262,9 +264,9 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         "index) + final pass (restore of the view with re-RoPE + new tokens), median of the steps. "
         "GPU memory: `torch.cuda.memory_allocated` of the engine process after the size's steps.",
         "",
-        "| session tokens | grow step (ingest) | TTFT per step | steps | restored tokens (last step) | "
-        "GPU memory allocated | vs plain warm TTFT |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | session tokens | grow step (ingest) | TTFT per step | steps | restored tokens (last step) | "
+        "of them placed from the resident pool | GPU memory allocated | vs plain warm TTFT |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sekv:
         params = (r["steps"][-1].get("kv_transfer_params") or {}).get("sekv", {})
@@ -272,8 +274,9 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         restored = sum(restored.values()) if isinstance(restored, dict) else restored
         vs = f"{r['ttft_s'] / plain['warm_ttft_s']:.1f}x" if plain else "—"
         each = ", ".join("{:.3f}".format(s["ttft_s"]) for s in r["steps"])
-        lines.append(f"| {r['session_tokens'] // 1024}K | {r['grow_s']:.1f} s | {r['ttft_s']:.3f} s | {each} | "
-                     f"{restored} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |")
+        placed = params.get("resident_blocks", 0) * params.get("view", {}).get("block_tokens", 32)
+        lines.append(f"| {r['engine']} | {r['session_tokens'] // 1024}K | {r['grow_s']:.1f} s | {r['ttft_s']:.3f} s | "
+                     f"{each} | {restored} | {placed} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |")
     if plain:
         lines += ["", f"Plain vLLM, {plain['context_tokens'] // 1024}K context: cold TTFT {plain['cold_ttft_s']:.3f} s, "
                   f"warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
@@ -379,7 +382,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine-spec", help=argparse.SUPPRESS)
     ap.add_argument("--engines", nargs="+", default=["sekv", "plain"],
-                    choices=["sekv", "sekv-sync", "plain", "plain-sync"])
+                    choices=["sekv", "sekv-resident", "sekv-sync", "plain", "plain-sync"])
     ap.add_argument("--sizes", type=int, nargs="+", default=[65536, 131072, 262144, 524288])
     ap.add_argument("--view-tokens", type=int, default=65536)
     ap.add_argument("--steps", type=int, default=3)
@@ -388,6 +391,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.72)
     ap.add_argument("--model-dir", help="a real model instead of the dummy Llama-3.1-8B geometry")
     ap.add_argument("--sekv", default="{}", help="more kv_connector_extra_config, as JSON")
+    ap.add_argument("--resident-bytes", default="16G", help="engine sekv-resident's resident_bytes (diff restores)")
     ap.add_argument("--timeout-s", type=int, default=540)
     ap.add_argument("--profile", action="store_true",
                     help="profile one more step, and one more decode, at the largest size (host side)")
@@ -420,6 +424,8 @@ def main() -> None:
     for engine in args.engines:
         if engine.startswith("sekv"):
             sekv = {"host_bytes": args.host_bytes, "view_tokens": args.view_tokens, **json.loads(args.sekv)}
+            if engine == "sekv-resident":
+                sekv["resident_bytes"] = args.resident_bytes
             max_len = max(args.sizes) + NEW_TOKENS + args.decode_tokens + 64
             rows += run_engine({**base, "engine": engine, "sekv": sekv, "max_model_len": max_len}, workdir)
         else:
