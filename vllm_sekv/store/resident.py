@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import torch
 
@@ -57,11 +57,12 @@ class ResidentBlocks:
     def __len__(self) -> int:
         return len(self._entry_of)
 
-    def plan(self, host_slots: Sequence[int], keep: Iterable[int] = ()) -> ResidentPlan:
+    def plan(self, host_slots: Sequence[int], keep: Collection[int] = ()) -> ResidentPlan:
         """Split a batch of blocks (distinct host slots) into placed and moved
         ones, and give moved ones entries: free ones first, then those of the
         least recently used slots, never one of a slot in `keep` (the rest of
-        the running restore, which it may still read) or of this batch."""
+        the running restore, which it may still read: a set, for a restore
+        of many batches) or of this batch."""
         placed, moved = [], []
         for i, slot in enumerate(host_slots):
             entry = self._entry_of.get(slot)
@@ -70,10 +71,10 @@ class ResidentBlocks:
             else:
                 self._entry_of.move_to_end(slot)
                 placed.append((i, entry))
-        protected = {*keep, *host_slots}
+        batch = set(host_slots)
         admit = []
         for i in moved:
-            entry = self._take_entry(protected)
+            entry = self._take_entry(keep, batch)
             if entry is None:
                 break
             self._entry_of[host_slots[i]] = entry
@@ -87,10 +88,10 @@ class ResidentBlocks:
             if entry is not None:
                 self._free.append(entry)
 
-    def _take_entry(self, protected: set[int]) -> int | None:
+    def _take_entry(self, keep: Collection[int], batch: set[int]) -> int | None:
         if self._free:
             return self._free.pop()
         for slot in self._entry_of:  # least recently used first
-            if slot not in protected:
+            if slot not in keep and slot not in batch:
                 return self._entry_of.pop(slot)
         return None

@@ -207,11 +207,12 @@ class RestorePipeline:
             raise ValueError("host slot out of range")
         slots_dev = slot_mapping.to(self.device, torch.int64)
         deltas_dev = delta_positions.to(self.device, torch.int64)
-        if resident is not None and len(set(host_slots)) != n:
+        keep = set(host_slots) if resident is not None else set()  # what the restore reads from `resident`
+        if resident is not None and len(keep) != n:
             raise ValueError("a restore with resident blocks takes distinct host slots")
         if not self.is_cuda:
             return self._restore_cpu(pool, host_slots, key_caches, value_caches, slots_dev, deltas_dev, rope, write,
-                                     scales, resident)
+                                     scales, resident, keep)
         if not cudart.is_page_locked(pool):
             raise ValueError("a CUDA restore reads a page-locked (pinned) host pool")
         compute = torch.cuda.current_stream(self.device)
@@ -222,7 +223,7 @@ class RestorePipeline:
         for i, b0 in enumerate(range(0, n, self.batch_blocks)):
             b1 = min(n, b0 + self.batch_blocks)
             buf = i % len(self._dev)
-            batch = _Batch.of(host_slots, b0, b1, resident)
+            batch = _Batch.of(host_slots, b0, b1, resident, keep)
             staged = self._dev[buf][:b1 - b0]
             with torch.cuda.stream(self.copy_stream):
                 if self._scatter_done[buf] is not None:  # the scatter that last read this buffer
@@ -257,11 +258,11 @@ class RestorePipeline:
             ops.scatter_rerope(staged, key_caches, value_caches, slots, deltas, rope, scales=scales)
 
     def _restore_cpu(self, pool, host_slots, key_caches, value_caches, slots, deltas, rope, write,
-                     scales, resident) -> RestoreHandle:
+                     scales, resident, keep) -> RestoreHandle:
         moved = placed = 0
         for b0 in range(0, len(host_slots), self.batch_blocks):
             b1 = min(len(host_slots), b0 + self.batch_blocks)
-            batch = _Batch.of(host_slots, b0, b1, resident)
+            batch = _Batch.of(host_slots, b0, b1, resident, keep)
             staging = self._dev[0][:b1 - b0]
             self.gatherer.gather(pool, batch.moved_slots, staging)
             batch.keep(staging, resident, self.device)
@@ -292,11 +293,12 @@ class _Batch:
     admit_entries: list[int]  # entries for moved_slots[:len(admit_entries)]
 
     @classmethod
-    def of(cls, host_slots: Sequence[int], b0: int, b1: int, resident: ResidentBlocks | None) -> "_Batch":
+    def of(cls, host_slots: Sequence[int], b0: int, b1: int, resident: ResidentBlocks | None,
+           keep: set[int]) -> "_Batch":
         slots = [int(s) for s in host_slots[b0:b1]]
         if resident is None:
             return cls(b0, slots, slots, None, [], [])
-        plan = resident.plan(slots, keep=host_slots)
+        plan = resident.plan(slots, keep=keep)
         order = np.asarray(plan.moved + [i for i, _ in plan.placed], dtype=np.int64)
         return cls(b0, [slots[i] for i in order], [slots[i] for i in plan.moved], order,
                    [e for _, e in plan.placed], [e for _, e in plan.admit])

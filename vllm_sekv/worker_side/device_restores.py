@@ -418,10 +418,15 @@ class DeviceRestores:
         distinct (a slot in two runs of an op's rows goes without it)."""
         return self.resident if self.resident is not None and len(np.unique(slots)) == len(slots) else None
 
+    @property
+    def keeps_copies(self) -> bool:
+        """Whether it keeps copies of host slots (resident blocks) that a rewrite makes stale."""
+        return self.resident is not None
+
     def drop_rewritten(self, host_slots: set[int]) -> None:
         """Before a step's restores: forget the resident copies of the host
         slots the step rewrites (`StepPlan.rewritten_slots`)."""
-        if self.resident is not None and host_slots:
+        if self.resident is not None:
             self.resident.drop(host_slots)
 
     def account(self, req_id: str, rows_bytes: int, stats: Any) -> int:

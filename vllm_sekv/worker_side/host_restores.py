@@ -56,6 +56,11 @@ class HostRestores:
         # SeKV lowrank copies of host blocks, one tier per rank a restore may ask for.
         self.lowrank = {rank: LowRankTier(LowRankCodec(rank), block_tokens, rope) for rank in ranks}
 
+    @property
+    def keeps_copies(self) -> bool:
+        """Whether it keeps copies of host slots (low-rank factors) that a rewrite makes stale."""
+        return bool(self.lowrank)
+
     def drop_rewritten(self, slots: set[int]) -> None:
         """Slots taking new bytes this step: their low-rank factors are stale."""
         for slot in slots:

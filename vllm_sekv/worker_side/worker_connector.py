@@ -222,10 +222,11 @@ class SekvWorkerSide:
         self._restored_keys = {}
         if self.coarse is not None:
             self.coarse.finish(plan.coarse_finished)
-        rewritten = plan.rewritten_slots(self.config.block_tokens)  # copies of them elsewhere go stale
-        for copies in (self.host_restores, self.restores):  # low-rank factors, resident blocks
-            if copies is not None:
-                copies.drop_rewritten(rewritten)
+        copies = [c for c in (self.host_restores, self.restores) if c is not None and c.keeps_copies]
+        if copies:  # low-rank factors, resident blocks: copies of slots this step rewrites go stale
+            rewritten = plan.rewritten_slots(self.config.block_tokens)
+            for c in copies:
+                c.drop_rewritten(rewritten)
         if self.index_feed is not None:
             self.index_feed.take_plan(plan)
         if self.surprisal is not None:
