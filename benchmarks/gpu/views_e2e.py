@@ -35,8 +35,10 @@ Markdown headed by the machine, commit and command
 per sekv engine and size: `summary_rows`); `--sekv '{"workspace_codec":
 "fp8"}'` serves the session from the fp8 workspace; engine `sekv-resident`
 keeps `--resident-bytes` of restored blocks on the device (diff restores:
-each step moves only the blocks the last ones did not bring); `--merge
-A.json B.json` writes one report from runs made apart.
+each step moves only the blocks the last ones did not bring; `--follow-ups
+N` adds N steps that send the last step's prompt again; the report gives
+every step's blocks placed / restored); `--merge A.json B.json` writes one
+report from runs made apart.
 """
 from __future__ import annotations
 
@@ -198,10 +200,17 @@ def engine_main(spec: dict) -> None:
         for size in spec["sizes"]:
             grow = session.run(history[:size] + question(), 1, extra)
             print(f"[{engine}] session grown to {size}: {grow['total_s']:.1f} s, {grow['kv_transfer_params']}", flush=True)
-            steps = [session.run(history[:size] + question(), 1, extra) for _ in range(spec["steps"])]
+            prompts = [history[:size] + question() for _ in range(spec["steps"])]
+            steps = [session.run(prompt, 1, extra) for prompt in prompts]
+            # Follow-ups: the last step's prompt again, as an agent asking on
+            # about the same material (random tokens have no topic to share).
+            follow_ups = [session.run(prompts[-1], 1, extra) for _ in range(spec.get("follow_ups", 0))]
             row = {"engine": engine, "codec": spec["sekv"].get("workspace_codec", "exact"), "session_tokens": size,
                    "grow_s": grow["total_s"], "steps": steps,
                    "ttft_s": statistics.median(s["ttft_s"] for s in steps), "memory": gpu_memory()}
+            if follow_ups:
+                row["follow_ups"] = follow_ups
+                row["follow_up_ttft_s"] = statistics.median(s["ttft_s"] for s in follow_ups)
             if size == max(spec["sizes"]):
                 row["decode"] = session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra)
                 if spec.get("timers"):
@@ -213,7 +222,11 @@ def engine_main(spec: dict) -> None:
                         lambda: session.run(history[:size] + question(), spec["decode_tokens"] + 1, extra))
             rows.append(row)
             print(f"[{engine}] {size}: TTFT {row['ttft_s']:.3f} s (all {[round(s['ttft_s'], 3) for s in steps]}), "
-                  f"memory {row['memory']}, view {steps[-1]['kv_transfer_params']}", flush=True)
+                  f"memory {row['memory']}, view {steps[-1]['kv_transfer_params']}, placed from the resident pool "
+                  f"per step {[placed_share(s) for s in steps]}", flush=True)
+            if follow_ups:
+                print(f"[{engine}] {size} follow-ups: TTFT {[round(s['ttft_s'], 3) for s in follow_ups]}, placed "
+                      f"{[placed_share(s) for s in follow_ups]}", flush=True)
     else:
         context = history[: spec["view_tokens"]]
         cold = session.run(context + question(), 1)
@@ -231,6 +244,21 @@ def engine_main(spec: dict) -> None:
     for row in rows:
         row["cudagraph_mode"] = getattr(graphs, "name", None)  # as vLLM resolved it
     Path(spec["out"]).write_text(json.dumps(rows))
+
+
+def view_blocks(step: dict) -> tuple[int, int]:
+    """(moved, placed): a view step's restored blocks moved from host memory
+    and placed from the device's resident pool."""
+    params = (step.get("kv_transfer_params") or {}).get("sekv", {})
+    restored = params.get("restored_tokens", 0)
+    restored = sum(restored.values()) if isinstance(restored, dict) else restored
+    placed = params.get("resident_blocks", 0)
+    return restored // (params.get("view", {}).get("block_tokens") or 32) - placed, placed
+
+
+def placed_share(step: dict) -> str:
+    moved, placed = view_blocks(step)
+    return f"{placed}/{moved + placed}"
 
 
 def run_engine(spec: dict, workdir: Path) -> list[dict]:
@@ -264,19 +292,21 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         "index) + final pass (restore of the view with re-RoPE + new tokens), median of the steps. "
         "GPU memory: `torch.cuda.memory_allocated` of the engine process after the size's steps.",
         "",
-        "| engine | session tokens | grow step (ingest) | TTFT per step | steps | restored tokens (last step) | "
-        "of them placed from the resident pool | GPU memory allocated | vs plain warm TTFT |",
+        "| engine | session tokens | grow step (ingest) | TTFT per step | steps (blocks placed / restored) | "
+        "restored blocks (last step) | of them placed from the resident pool | GPU memory allocated | "
+        "vs plain warm TTFT |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sekv:
-        params = (r["steps"][-1].get("kv_transfer_params") or {}).get("sekv", {})
-        restored = params.get("restored_tokens", "—")
-        restored = sum(restored.values()) if isinstance(restored, dict) else restored
-        vs = f"{r['ttft_s'] / plain['warm_ttft_s']:.1f}x" if plain else "—"
-        each = ", ".join("{:.3f}".format(s["ttft_s"]) for s in r["steps"])
-        placed = params.get("resident_blocks", 0) * params.get("view", {}).get("block_tokens", 32)
-        lines.append(f"| {r['engine']} | {r['session_tokens'] // 1024}K | {r['grow_s']:.1f} s | {r['ttft_s']:.3f} s | "
-                     f"{each} | {restored} | {placed} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |")
+        for kind, steps, ttft in (("", r["steps"], r["ttft_s"]),
+                                  (" (follow-ups)", r.get("follow_ups"), r.get("follow_up_ttft_s"))):
+            if not steps:
+                continue
+            moved, placed = view_blocks(steps[-1])
+            vs = f"{ttft / plain['warm_ttft_s']:.1f}x" if plain else "—"
+            each = ", ".join(f"{s['ttft_s']:.3f} ({placed_share(s)})" for s in steps)
+            lines.append(f"| {r['engine']}{kind} | {r['session_tokens'] // 1024}K | {r['grow_s']:.1f} s | {ttft:.3f} s | "
+                         f"{each} | {moved + placed} | {placed} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |")
     if plain:
         lines += ["", f"Plain vLLM, {plain['context_tokens'] // 1024}K context: cold TTFT {plain['cold_ttft_s']:.3f} s, "
                   f"warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
@@ -312,30 +342,30 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
 
 
 def summary_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
-    """One flat row per sekv engine and session size: the median step's time
-    to first token, decode speed against plain vLLM's (measured at the largest
-    size only, else None), GPU memory allocated, and the last step's view
-    blocks: placed from the device's resident pool (`resident_blocks`, with
-    `resident_bytes`) and moved from host memory (`moved_blocks`: the rest of
-    its restored tokens over the block size)."""
+    """One flat row per sekv engine and session size, and one more for its
+    follow-up steps where they ran: the median step's time to first token,
+    decode speed against plain vLLM's (measured at the largest size only,
+    else None), GPU memory allocated, and the last step's view blocks: placed
+    from the device's resident pool (`resident_blocks`, with `resident_bytes`)
+    and moved from host memory (`moved_blocks`)."""
     plain = next((r for r in rows if r["engine"] == "plain"), None)
     plain_decode = (plain or {}).get("decode", {}).get("decode_s_per_token")
     out = []
     for r in rows:
         if not r["engine"].startswith("sekv"):
             continue
-        params = (r["steps"][-1].get("kv_transfer_params") or {}).get("sekv", {})
-        restored = params.get("restored_tokens", 0)
-        restored = sum(restored.values()) if isinstance(restored, dict) else restored
-        block_tokens = params.get("view", {}).get("block_tokens") or 32
         decode = r.get("decode", {}).get("decode_s_per_token")
-        out.append({"engine": r["engine"], "codec": r.get("codec", "exact"), "session_tokens": r["session_tokens"],
-                    "view_tokens": args.view_tokens, "ttft_s": round(r["ttft_s"], 4),
-                    "decode_ms_per_token": None if decode is None else round(decode * 1e3, 3),
-                    "plain_decode_ms_per_token": None if plain_decode is None else round(plain_decode * 1e3, 3),
-                    "gpu_gib": round(r["memory"]["allocated_gib"], 2),
-                    "moved_blocks": restored // block_tokens - params.get("resident_blocks", 0),
-                    "resident_blocks": params.get("resident_blocks", 0)})
+        for steps, ttft in ((r["steps"], r["ttft_s"]), (r.get("follow_ups"), r.get("follow_up_ttft_s"))):
+            if not steps:
+                continue
+            moved, placed = view_blocks(steps[-1])
+            out.append({"engine": r["engine"], "codec": r.get("codec", "exact"),
+                        "session_tokens": r["session_tokens"], "view_tokens": args.view_tokens,
+                        "ttft_s": round(ttft, 4),
+                        "decode_ms_per_token": None if decode is None else round(decode * 1e3, 3),
+                        "plain_decode_ms_per_token": None if plain_decode is None else round(plain_decode * 1e3, 3),
+                        "gpu_gib": round(r["memory"]["allocated_gib"], 2),
+                        "moved_blocks": moved, "resident_blocks": placed})
     return out
 
 
@@ -386,6 +416,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[65536, 131072, 262144, 524288])
     ap.add_argument("--view-tokens", type=int, default=65536)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--follow-ups", type=int, default=0,
+                    help="steps after --steps that send the last step's prompt again (an agent's follow-up)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--host-bytes", default="72G")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.72)
@@ -416,7 +448,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="views_e2e_"))
     model_dir, load_format, vocab = model_folder(args.model_dir, workdir)
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab": vocab, "sizes": args.sizes,
-            "view_tokens": args.view_tokens, "steps": args.steps, "decode_tokens": args.decode_tokens,
+            "view_tokens": args.view_tokens, "steps": args.steps, "follow_ups": args.follow_ups,
+            "decode_tokens": args.decode_tokens,
             "gpu_memory_utilization": args.gpu_memory_utilization, "timeout_s": args.timeout_s,
             "profile": args.profile, "timers": args.timers, "cuda_graphs": args.cuda_graphs,
             "sync_audit": args.sync_audit}
