@@ -45,11 +45,12 @@ def test_non_config_env_is_ignored():
         ({}, {"SEKV_LEXICAL_WEIGHT": "nan"}, "lexical_weight"),
         ({"workspace_codec": "int8"}, {}, "workspace_codec"),
         ({}, {"SEKV_WORKSPACE_CODEC": "FP8"}, "workspace_codec"),
+        ({"resident_bytes": "1G", "restore_mode": "layerwise"}, {}, "resident_bytes"),
     ],
     ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
          "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router",
          "negative-recompute", "recompute-with-coarse", "negative-lexical-weight", "nan-lexical-weight",
-         "bad-workspace-codec", "bad-workspace-codec-env"],
+         "bad-workspace-codec", "bad-workspace-codec-env", "resident-pool-with-layerwise-restores"],
 )
 def test_bad_config_names_the_key(extra, env, key):
     with pytest.raises(ValueError, match=key):

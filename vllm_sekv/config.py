@@ -110,10 +110,11 @@ class SekvConfig:
     # layerwise when the blocks lie in long runs of consecutive host slots (a
     # restored history), batched when they are scattered (a view's selection).
     restore_mode: str = "auto"
-    # Device memory for blocks kept between restores (CUDA, batched restores;
-    # 0 = none): a view step copies the blocks an earlier step brought from
-    # this pool, on the device, and moves over PCIe only the others, with the
-    # same result bit for bit. The least recently used blocks make room.
+    # Device memory for blocks kept between restores (CUDA; 0 = none): a
+    # step copies the blocks an earlier step brought from this pool, on the
+    # device, and moves over PCIe only the others, with the same result bit
+    # for bit. The least recently used blocks make room. The pool serves
+    # batched restores: with it, restore_mode auto restores batched.
     resident_bytes: int = 0
     # Folder of the NVMe tier ("" = no NVMe tier). Workspaces written there
     # survive a restart; one server per folder (it is locked).
@@ -311,6 +312,9 @@ class SekvConfig:
                 f"sekv config 'index_summary': {self.index_summary} weights tokens by their "
                 f"surprisal; set 'surprisal' to on, or pick a summary without weights"
             )
+        if self.resident_bytes and self.restore_mode == "layerwise":
+            raise ValueError("sekv config 'resident_bytes': the resident pool serves batched restores; "
+                             "set 'restore_mode' to auto or batched, or resident_bytes to 0")
         if self.min_restore_tokens < 0:
             raise ValueError(
                 f"sekv config 'min_restore_tokens': must not be negative, got {self.min_restore_tokens}"

@@ -272,3 +272,24 @@ def pool_slot_bytes(codec):
 def test_a_resident_pool_too_small_for_one_block_fails_at_start_naming_the_key():
     with pytest.raises(ValueError, match="'resident_bytes'"):
         _setup("batched", resident_bytes=pool_slot_bytes("exact") - 1)
+
+
+def test_with_a_resident_pool_a_restore_of_long_runs_goes_batched_and_is_placed_next_time():
+    """`restore_mode` auto would restore a history's long runs of host slots
+    layer by layer, which the resident pool cannot serve: with a pool they go
+    batched, and a view that restores the same slots again at other
+    positions places them all from the device."""
+    pool, caches, context, restores = _setup("auto", resident_bytes=32 * pool_slot_bytes("exact"))
+    host_rows = np.arange(2 * BT, 30 * BT)  # one run of 28 slots
+    first = RestoreOp("r", paged_slots=np.arange(len(host_rows), dtype=np.int64), host_rows=host_rows)
+    restores.start(context, 1, [first])
+    assert not restores.layerwise
+    counts = Counts()
+    restores.account("r", 0, counts)
+    assert counts.data["resident_blocks"] == 0
+    again = RestoreOp("r", paged_slots=np.arange(len(host_rows), dtype=np.int64) + 80, host_rows=host_rows,
+                      rope_deltas=np.full(len(host_rows), -64))
+    restores.start(context, 2, [again])
+    counts = Counts()
+    assert restores.account("r", 0, counts) == 0 and counts.data["resident_blocks"] == 28
+    _check(pool, caches, again)

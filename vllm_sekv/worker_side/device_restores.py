@@ -19,11 +19,12 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
   start of another step (or other slots) is dropped: the stream its buffers
   belong to waits for its copies;
 * batched (`RestorePipeline`): whole slots, every layer written before the
-  forward. With `resident_bytes` (a view's restores, diff restores) the
-  blocks an earlier batched restore brought stay on the device
-  (`ResidentBlocks`) and are copied there; only the others cross PCIe. The
-  worker drops the slots each step rewrites (`drop_rewritten`) before any
-  restore of the step.
+  forward. With `resident_bytes` (diff restores) every restore goes
+  batched (`restore_mode` auto; layerwise is refused at start-up), and the
+  blocks an earlier restore brought stay on the device (`ResidentBlocks`)
+  and are copied there; only the others cross PCIe. The worker drops the
+  slots each step rewrites (`drop_rewritten`) before any restore of the
+  step.
 
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
 slots' scales; `LayerWriter` gets float32 K/V dequantized on the device,
@@ -355,8 +356,9 @@ class DeviceRestores:
 
     def _goes_layerwise(self, host_slots: np.ndarray) -> bool:
         mode = self.restore_mode
-        if mode == "auto":
-            mode = "layerwise" if mean_run_length(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS else "batched"
+        if mode == "auto":  # the resident pool serves batched restores only
+            layerwise = self.resident is None and mean_run_length(host_slots) >= LAYERWISE_MIN_RUN_BLOCKS
+            mode = "layerwise" if layerwise else "batched"
         return mode == "layerwise" and self.layerwise_copies  # auto without them: batched
 
     def _start_copies(self, host_slots: np.ndarray, depth: int = DEFAULT_RING_LAYERS) -> LayerwiseRestore:
