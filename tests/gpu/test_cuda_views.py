@@ -10,7 +10,8 @@ with the default index, and with SeKV surprisal on (anchor summaries, anchor
 tokens in the views), and with SeKV's coarse summaries (merged by the
 Triton kernel) and lowrank restores. With a resident pool (diff restores)
 the default index's session gives the same responses, token for token, while
-later views place blocks from the device.
+later views place blocks from the device. From the fp8 workspace the
+distant fact is still selected and answered.
 """
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ CONFIGS = {
                     "index_summary": "sub8a_pre", "index_combine": "max"},
     # Diff restores: blocks of earlier views kept on the device.
     "mean-k-resident": {"resident_bytes": "512M"},
+    # Views from the fp8 workspace: fp8 bytes restored batched and layer by
+    # layer, dequantized and re-RoPE'd on the device, incomplete blocks from
+    # their tails.
+    "mean-k-fp8": {"workspace_codec": "fp8"},
 }
 
 
