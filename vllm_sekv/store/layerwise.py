@@ -26,10 +26,11 @@ that a step restores). On CPU the same logic runs with synchronous copies
 (tests); with `cudart` unavailable on CUDA, callers use `RestorePipeline`.
 
 An fp8 pool (`workspace_codec` fp8) moves its fp8 bytes (half an exact pool's)
-and, given `scales` (the pool's `[slots, 2, layers, kv_heads]`), the restored
-blocks' scales once at construction (`[num_blocks, 2, layers, kv_heads]`
-float32, gathered on the host, one small copy on the current stream);
-`write` then gets K and V dequantized in float32 (`float(x) * scale`), to be
+and, given `scales` (the pool's parameters `[slots, 2, layers, kv_heads,
+1 + head_dim]`: scale and per-channel centre, `store.fp8`), the restored
+blocks' parameters once at construction (float32, gathered on the host, one
+small copy on the current stream); `write` then gets K and V dequantized in
+float32 (`float(x) * scale + centre`), to be
 rotated in float32 and rounded once to the cache dtype (`LayerWriter`).
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
+from vllm_sekv.store.fp8 import dequantize
 from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.slot_runs import runs
 
@@ -72,7 +74,7 @@ class LayerwiseRestore:
             raise ValueError("on CUDA a layerwise restore needs a copy stream and a pinned pool")
         if (scales is not None) != (pool.dtype == torch.float8_e4m3fn):
             raise ValueError("scales are required with an fp8 pool, and only with one")
-        self._scales = None  # fp8: [num_blocks, 2, layers, kv_heads] float32 on the device
+        self._scales = None  # fp8: [num_blocks, 2, layers, kv_heads, 1 + head_dim] float32 on the device
         if scales is not None:
             picked = scales[torch.as_tensor(self.host_slots, dtype=torch.int64)]
             self._scales = to_device(picked, self.device) if self._cuda else picked
@@ -131,10 +133,10 @@ class LayerwiseRestore:
             compute.wait_event(self._copied[layer])
         key = buf[0].view(self._tokens, *buf.shape[3:])
         value = buf[1].view(self._tokens, *buf.shape[3:])
-        if self._scales is not None:  # fp8: float(x) * scale of its (block, K / V, layer, head)
-            s = self._scales[:, :, layer, :, None]  # [n, 2, H, 1]
-            key = (buf[0].to(torch.float32) * s[:, None, 0]).view(self._tokens, *buf.shape[3:])
-            value = (buf[1].to(torch.float32) * s[:, None, 1]).view(self._tokens, *buf.shape[3:])
+        if self._scales is not None:  # fp8: float(x) * scale + centre of its (block, K / V, layer, head)
+            s = self._scales[:, :, layer]  # [n, 2, H, 1 + D]
+            key = dequantize(buf[0], s[:, 0], token_dim=1).view(self._tokens, *buf.shape[3:])
+            value = dequantize(buf[1], s[:, 1], token_dim=1).view(self._tokens, *buf.shape[3:])
         if self.write is None:
             raise RuntimeError("a layerwise restore loaded a layer before it was given its `write`")
         self.write(layer, key, value)

@@ -21,8 +21,9 @@ gather (`HostGatherer`) into a staging buffer, then the reference scatter.
 
 An fp8 pool (`workspace_codec` fp8, dtype float8_e4m3fn): the staging
 buffers hold its fp8 bytes (half of an exact pool's), and `restore` takes the
-pool's `scales`; each batch's scales `[m, 2, layers, kv_heads]` (gathered on
-the host, a few hundred bytes per block) go to the device and are handed to
+pool's `scales`; each batch's parameters `[m, 2, layers, kv_heads, 1 +
+head_dim]` (gathered on the host, an eighth of the block's fp8 bytes at 32
+tokens a block) go to the device and are handed to
 the scatter (`ops.scatter_rerope(..., scales=)`) or to `write` as a fourth
 argument, which dequantize there.
 
@@ -149,8 +150,9 @@ class RestorePipeline:
         self.is_cuda = self.device.type == "cuda"
         shape = (batch_blocks, *self.block_shape)
         self._dev = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_buffers)]
-        # fp8 staging: each block's float32 scales [2, layers, kv_heads] move with it
-        self.scale_bytes = 2 * self.block_shape[1] * self.block_shape[3] * 4 if dtype == torch.float8_e4m3fn else 0
+        # fp8 staging: each block's float32 parameters [2, layers, kv_heads, 1 + head_dim] move with it
+        _, layers, _, heads, head_dim = self.block_shape
+        self.scale_bytes = 2 * layers * heads * (1 + head_dim) * 4 if dtype == torch.float8_e4m3fn else 0
         if self.is_cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._scatter_done: list[torch.cuda.Event | None] = [None] * num_buffers
@@ -186,7 +188,7 @@ class RestorePipeline:
         `[m, 2, layers, block_tokens, kv_heads, head_dim]` on the device, and
         `key_caches` / `value_caches` are then unused.
 
-        `scales` (an fp8 pool's `[slots, 2, layers, kv_heads]` float32, required
+        `scales` (an fp8 pool's `[slots, 2, layers, kv_heads, 1 + head_dim]` float32, required
         exactly when the pool is fp8): `write` then gets the batch's scales as
         a fourth argument.
 
