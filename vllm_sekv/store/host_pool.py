@@ -16,8 +16,8 @@ Codec (`workspace_codec`, `store.fp8`): "exact" stores K/V in the model dtype
 plus `scales [num_slots, 2, num_layers, kv_heads, 1 + head_dim]` float32
 (pinned with the pool): each (slot, K or V, layer, KV head)'s scale and
 per-channel centre (`store.fp8`), so a slot takes 0.56 of the bytes at 32
-tokens a block (`bytes_per_block` counts both tensors). Writers hand full-precision
-rows; readers (`read_rows*`, `slot_keys_on`, `block_keys`,
+tokens a block and head_dim 128 (`bytes_per_block` counts both tensors).
+Writers hand full-precision rows; readers (`read_rows*`, `slot_keys_on`, `block_keys`,
 `dequantized_slots`) get them back in `dtype`. Whoever moves raw slot bytes
 (`data`; restores, NVMe records) must move `scales` of the same slots too.
 

@@ -29,9 +29,9 @@ An fp8 pool (`workspace_codec` fp8) moves its fp8 bytes (half an exact pool's)
 and, given `scales` (the pool's parameters `[slots, 2, layers, kv_heads,
 1 + head_dim]`: scale and per-channel centre, `store.fp8`), the restored
 blocks' parameters (float32; on CUDA copied from the pinned pool on the
-copy stream before the first layer, one copy per run of slots); `write` then gets K and V dequantized in
-float32 (`float(x) * scale + centre`), to be
-rotated in float32 and rounded once to the cache dtype (`LayerWriter`).
+copy stream before the first layer, one copy per run of slots); `write`
+then gets K and V dequantized in float32 (`float(x) * scale + centre`), to
+be rotated in float32 and rounded once to the cache dtype (`LayerWriter`).
 """
 from __future__ import annotations
 
