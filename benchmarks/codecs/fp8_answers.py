@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import sys
@@ -39,8 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "fidelity"))
 
 import report_header as H  # noqa: E402
+from report import wilson  # noqa: E402  (the fidelity report's 95% interval)
 from vllm_sekv.store.fp8 import FP8_DTYPE, FP8_MAX, dequantize, quantize  # noqa: E402
 
 BLOCK_TOKENS = 32
@@ -69,15 +70,6 @@ VARIANTS = {  # name -> (keys, values)
     "fp8-uncentred": (fp8_uncentred, fp8_uncentred),
     "k-bf16-v-fp8": (bf16, fp8),
 }
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if not n:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def through_codec(cache, history: int, keys_fn, values_fn) -> tuple:
