@@ -10,11 +10,10 @@ questions ("What is the deploy key for service-NNNN?") is then fed after
 it and answered greedily. Variants:
 
 * `bf16`: K/V rounded to bfloat16 (what the exact workspace stores);
-* `fp8`: the workspace's fp8 codec (`vllm_sekv.store.fp8`: e4m3, one scale
-  per block, K or V, layer and KV head);
-* `fp8-k-centered`: keys minus their block's mean per (head, channel), kept
-  in bfloat16, the rest through the codec; values as `fp8`;
-* `fp8-kv-centered`: the same for values too;
+* `fp8`: the workspace's fp8 codec (`vllm_sekv.store.fp8`: e4m3 residuals
+  around each block's per-channel centre, one scale per block, K or V,
+  layer and KV head);
+* `fp8-uncentred`: the same without the centre (the residual is the value);
 * `k-bf16-v-fp8`: keys as `bf16`, values as `fp8`.
 
 Reported per variant: answers right out of n with a 95% Wilson interval,
@@ -43,21 +42,22 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks", "fidelity"))
 
 import report_header as H  # noqa: E402
 from report import wilson  # noqa: E402  (the fidelity report's 95% interval)
-from vllm_sekv.store.fp8 import dequantize, quantize  # noqa: E402
+from vllm_sekv.store.fp8 import FP8_DTYPE, FP8_MAX, dequantize, quantize  # noqa: E402
 
 BLOCK_TOKENS = 32
 
 
 def fp8(blocks: torch.Tensor) -> torch.Tensor:
     """blocks [n, bt, H, D] float32 through the codec -> float32."""
-    q, scale, finite = quantize(blocks, token_dim=1)
+    q, params, finite = quantize(blocks, token_dim=1)
     assert bool(finite.all())
-    return dequantize(q, scale, token_dim=1, dtype=torch.float32)
+    return dequantize(q, params, token_dim=1, dtype=torch.float32)
 
 
-def centered(blocks: torch.Tensor) -> torch.Tensor:
-    mean = blocks.mean(dim=1, keepdim=True).to(torch.bfloat16).float()
-    return fp8(blocks - mean) + mean
+def fp8_uncentred(blocks: torch.Tensor) -> torch.Tensor:
+    """e4m3 with one scale per (block, head) and no centre."""
+    scale = (blocks.abs().amax(dim=-1).amax(dim=1) / FP8_MAX).clamp_min(1e-30)[:, None, :, None]
+    return (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.float32) * scale
 
 
 def bf16(blocks: torch.Tensor) -> torch.Tensor:
@@ -67,8 +67,7 @@ def bf16(blocks: torch.Tensor) -> torch.Tensor:
 VARIANTS = {  # name -> (keys, values)
     "bf16": (bf16, bf16),
     "fp8": (fp8, fp8),
-    "fp8-k-centered": (centered, fp8),
-    "fp8-kv-centered": (centered, centered),
+    "fp8-uncentred": (fp8_uncentred, fp8_uncentred),
     "k-bf16-v-fp8": (bf16, fp8),
 }
 

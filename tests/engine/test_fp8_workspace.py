@@ -42,14 +42,15 @@ def test_fp8_restores_the_same_history_from_the_host_tier(sessions):
         assert computed_before == restored
 
 
-def test_fp8_moves_about_half_the_bytes_per_restored_token(sessions):
+def test_fp8_moves_the_fp8_bytes_and_parameters_per_restored_token(sessions):
     exact, fp8 = sessions
     per_token = []
     for run in (exact, fp8):
         m = run["metrics"]
         assert m.get("vllm:sekv_restored_tokens", 0) > 0, m
         per_token.append(m["vllm:sekv_restored_bytes"] / m["vllm:sekv_restored_tokens"])
-    assert 0.5 <= per_token[1] / per_token[0] < 0.51, per_token  # fp8 bytes + a scale per 32 tokens
+    # fp8 bytes + per block a scale and head_dim centres (SmolLM2: head_dim 64, 32-token blocks: 0.5635)
+    assert 0.56 <= per_token[1] / per_token[0] < 0.57, per_token
 
 
 def test_fp8_greedy_continuation_starts_as_the_exact_workspaces(sessions):

@@ -46,7 +46,8 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
 for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 96)]:
     for cache_dtype in (torch.float16, torch.bfloat16):
         layers, bt, heads, pages, page_size = 2, 8, 3, 12, 4
-        q8, sc8, _ = fp8_quantize(torch.randn(3, 2, layers, bt, heads, head_dim) * 3, token_dim=3)
+        kv8 = torch.randn(3, 2, layers, bt, heads, head_dim) * 3 + torch.randn(heads, head_dim) * 20  # channel offsets
+        q8, sc8, _ = fp8_quantize(kv8, token_dim=3)
         kv_ref = torch.randn(layers, 2, pages, heads, page_size, head_dim).to(cache_dtype)
         kv_tri = kv_ref.clone()
         inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)

@@ -234,7 +234,8 @@ def test_a_capture_into_an_fp8_pool_is_the_exact_pools_rows_quantized(device):
     k, v = pool.read_rows_all_layers(rows)  # [n, L, H, D]
     for got, kv in ((k, 0), (v, 1)):
         ref = want[rows // BT, kv, :, rows % BT].float()
-        scale = pool.scales[rows // BT, kv][..., None]
-        bound = ref.abs() * 2.0 ** -4 + scale * 2.0 ** -10 + ref.abs() * 2.0 ** -8
+        params = pool.scales[rows // BT, kv]  # [n, L, H, 1 + D]: scale, centre per channel
+        scale, centre = params[..., :1], params[..., 1:]
+        bound = (ref - centre).abs() * 2.0 ** -4 + scale * 2.0 ** -10 + ref.abs() * 2.0 ** -8
         assert bool(((got.float() - ref).abs() <= bound).all())
     assert pool.take_failed_slots() == set()

@@ -1,13 +1,25 @@
-"""The fp8 workspace codec (`workspace_codec: fp8`): K/V as float8 e4m3 with
-one float32 scale per (block, K or V, layer, KV head).
+"""The fp8 workspace codec (`workspace_codec: fp8`): K/V as float8 e4m3
+around a per-channel centre, with float32 parameters per (block, K or V,
+layer, KV head): `[scale, centre_0 .. centre_{D-1}]` (`1 + head_dim` values).
 
-`scale = amax / 448` over the block's tokens and head_dim (448: the largest
-finite e4m3fn value); an all-zero group gets scale 1.0. A stored element is
-`round_e4m3(x / scale)` (values clamped to +-448 first, so rounding never
-overflows to NaN); it reads back as `float(q) * scale`. e4m3 keeps 3 mantissa
-bits: an element whose scaled magnitude is a normal e4m3 number (>= 2**-6) is
-off by at most 2**-4 of itself, a subnormal one by at most 2**-10 (half the
-spacing 2**-9), all times `scale`.
+The centre is the group's mean over the block's tokens, one per channel; the
+residual `x - centre` is stored, with `scale = amax(|x - centre|) / 448` over
+the block's tokens and head_dim (448: the largest finite e4m3fn value; an
+all-zero residual gets scale 1.0). A stored element is `round_e4m3((x -
+centre) / scale)` (clamped to +-448 first, so rounding never overflows to
+NaN); it reads back as `float(q) * scale + centre`. e4m3 keeps 3 mantissa
+bits: an element whose scaled residual is a normal e4m3 number (>= 2**-6) is
+off by at most 2**-4 of its residual, a subnormal one by at most 2**-10
+(half the spacing 2**-9), all times `scale`.
+
+Why the centre: some models' keys hold a few large channels that change
+little from token to token (the key projection's bias: Qwen2.5's reach 358
+where the rest are of order 1-10). Quantized as they are, e4m3's relative
+error turns them into noise of several units that differs per token, on
+every attention logit, and the model stops answering
+(`benchmarks/results/fp8_codec/answers.md`: 0 of 10 against 10 of 10 with
+the centre). The centres cost 4 bytes per channel per block and group: with
+32-token blocks the host tier holds 0.56 of the exact codec's bytes.
 
 Keys are quantized as the pool stores them (post-RoPE at their stored
 position); a restore dequantizes on the device, rotates in float32 and rounds
@@ -31,34 +43,46 @@ CODECS = ("exact", "fp8")
 
 def quantize(x: torch.Tensor, token_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x [..., tokens, heads, head_dim]` (tokens at `token_dim`, head_dim
-    last) -> (fp8 values of x's shape, float32 scales with x's shape less the
-    token and head_dim dims, a bool mask of the groups that were finite).
-    Groups with non-finite input get scale NaN and zero values."""
+    last) -> (fp8 residuals of x's shape; float32 parameters, x's shape less
+    the token dim with head_dim + 1 values last: scale, then the centre per
+    channel; a bool mask of the groups that were finite). Groups with
+    non-finite input get scale NaN, centre 0 and zero values."""
     token_dim = token_dim % x.dim()
     xf = x.to(torch.float32)
-    finite_elems = torch.isfinite(xf)
-    finite = finite_elems.all(dim=-1).all(dim=token_dim)
-    amax = xf.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1).amax(dim=token_dim)
+    finite = torch.isfinite(xf).all(dim=-1).all(dim=token_dim)
+    centre = xf.nan_to_num(0.0, 0.0, 0.0).mean(dim=token_dim, keepdim=True)
+    centre = torch.where(finite.unsqueeze(token_dim).unsqueeze(-1), centre, torch.zeros_like(centre))
+    residual = xf - centre
+    amax = residual.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1).amax(dim=token_dim)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     s = scale.unsqueeze(token_dim).unsqueeze(-1)
-    q = (xf / s).nan_to_num(0.0, 0.0, 0.0).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale, finite
+    q = (residual / s).nan_to_num(0.0, 0.0, 0.0).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, torch.cat([scale.unsqueeze(-1), centre.squeeze(token_dim)], dim=-1), finite
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, token_dim: int,
+def parts(params: torch.Tensor, token_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, centre) of `params` as `quantize` returns them, each shaped to
+    broadcast against the values (`token_dim` as there), in float32."""
+    params = params.to(torch.float32)
+    scale = params[..., 0].unsqueeze(token_dim).unsqueeze(-1)
+    return scale, params[..., 1:].unsqueeze(token_dim)
+
+
+def dequantize(q: torch.Tensor, params: torch.Tensor, token_dim: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`float(q) * scale` in `dtype` (computed in float32); `scale` has q's
-    shape less the token and head_dim dims, as `quantize` returns it."""
+    """`float(q) * scale + centre` in `dtype` (computed in float32); `params`
+    as `quantize` returns them (q's shape less the token dim, head_dim + 1
+    values last)."""
     token_dim = token_dim % q.dim()
-    s = scale.to(q.device, torch.float32).unsqueeze(token_dim).unsqueeze(-1)
-    return (q.to(torch.float32) * s).to(dtype)
+    scale, centre = parts(params.to(q.device), token_dim)
+    return (q.to(torch.float32) * scale + centre).to(dtype)
 
 
-def error_bound(x: torch.Tensor, scale: torch.Tensor, token_dim: int) -> torch.Tensor:
+def error_bound(x: torch.Tensor, params: torch.Tensor, token_dim: int) -> torch.Tensor:
     """Largest error one e4m3 rounding may leave on each element of `x`
-    (float32, x's shape): 2**-4 of |x| for normal scaled values, plus half
-    the subnormal spacing (2**-10) times the scale."""
+    (float32, x's shape): 2**-4 of its residual |x - centre| for normal
+    scaled values, plus half the subnormal spacing (2**-10) times the scale."""
     token_dim = token_dim % x.dim()
-    s = scale.to(torch.float32).unsqueeze(token_dim).unsqueeze(-1)
-    return x.to(torch.float32).abs() * 2.0 ** -4 + s * 2.0 ** -10
+    scale, centre = parts(params, token_dim)
+    return (x.to(torch.float32) - centre).abs() * 2.0 ** -4 + scale * 2.0 ** -10

@@ -13,10 +13,11 @@ page-aligned so that NVMe reads can land in a slot directly.
 
 Codec (`workspace_codec`, `store.fp8`): "exact" stores K/V in the model dtype
 (`dtype`), bit for bit. "fp8" stores `data` as float8 e4m3 (same 6-d shape)
-plus `scales [num_slots, 2, num_layers, kv_heads]` float32 (pinned with the
-pool), one per (slot, K or V, layer, KV head), so a slot takes about half the
-bytes (`bytes_per_block` counts both tensors). Writers hand full-precision
-rows; readers (`read_rows*`, `slot_keys_on`, `block_keys`,
+plus `scales [num_slots, 2, num_layers, kv_heads, 1 + head_dim]` float32
+(pinned with the pool): each (slot, K or V, layer, KV head)'s scale and
+per-channel centre (`store.fp8`), so a slot takes 0.56 of the bytes at 32
+tokens a block and head_dim 128 (`bytes_per_block` counts both tensors).
+Writers hand full-precision rows; readers (`read_rows*`, `slot_keys_on`, `block_keys`,
 `dequantized_slots`) get them back in `dtype`. Whoever moves raw slot bytes
 (`data`; restores, NVMe records) must move `scales` of the same slots too.
 
@@ -105,8 +106,10 @@ class HostPool:
         self.data = self._alloc(shape, storage, pin_memory)
         self.scales: torch.Tensor | None = None
         if codec == "fp8":
-            self.scales = self._alloc((num_slots, 2, num_layers, kv_heads), torch.float32, pin_memory)
-            self.scales.fill_(1.0)
+            self.scales = self._alloc((num_slots, 2, num_layers, kv_heads, 1 + head_dim), torch.float32,
+                                      pin_memory)
+            self.scales.zero_()
+            self.scales[..., 0] = 1.0  # scale 1, centre 0
         self.pinned = bool(pin_memory and self.data.numel())  # page-locked: the copy engine reads it directly
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
@@ -143,7 +146,7 @@ class HostPool:
         codec: str = "exact",
     ) -> int:
         if codec == "fp8":
-            return 2 * num_layers * kv_heads * (block_tokens * head_dim + 4)
+            return 2 * num_layers * kv_heads * (block_tokens * head_dim + 4 * (1 + head_dim))
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_tokens * kv_heads * head_dim * itemsize
 
@@ -336,9 +339,11 @@ class HostPool:
         k, v = self.data[slots, 0, layer, offsets], self.data[slots, 1, layer, offsets]
         if self.scales is None:
             return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
-        s = self.scales[slots, :, layer, :, None]  # [n, 2, H, 1]: each row its slot's scales
+        s = self.scales[slots, :, layer]  # [n, 2, H, 1 + D]: each row its slot's parameters
         out = dtype or self.dtype
-        k, v = (k.to(torch.float32) * s[:, 0]).to(out), (v.to(torch.float32) * s[:, 1]).to(out)
+        # [n, H, D] with [n, H, 1 + D] parameters: a "token" dim of size one per row
+        k = dequantize(k.unsqueeze(1), s[:, 0], token_dim=1, dtype=out).squeeze(1)
+        v = dequantize(v.unsqueeze(1), s[:, 1], token_dim=1, dtype=out).squeeze(1)
         if self._tails:
             self._overlay_tails(slots, offsets, slice(layer, layer + 1), k, v)
         return k, v
@@ -349,8 +354,8 @@ class HostPool:
         k, v = self.data[slots, 0, :, offsets], self.data[slots, 1, :, offsets]
         if self.scales is None:
             return k, v
-        s = self.scales[slots]  # [n, 2, L, H]
-        # [n, L, H, D] with [n, L, H] scales: a "token" dim of size one per row
+        s = self.scales[slots]  # [n, 2, L, H, 1 + D]
+        # [n, L, H, D] with [n, L, H, 1 + D] parameters: a "token" dim of size one per row
         k = dequantize(k.unsqueeze(2), s[:, 0], token_dim=2, dtype=self.dtype).squeeze(2)
         v = dequantize(v.unsqueeze(2), s[:, 1], token_dim=2, dtype=self.dtype).squeeze(2)
         if self._tails:

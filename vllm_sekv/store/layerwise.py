@@ -26,11 +26,12 @@ that a step restores). On CPU the same logic runs with synchronous copies
 (tests); with `cudart` unavailable on CUDA, callers use `RestorePipeline`.
 
 An fp8 pool (`workspace_codec` fp8) moves its fp8 bytes (half an exact pool's)
-and, given `scales` (the pool's `[slots, 2, layers, kv_heads]`), the restored
-blocks' scales once at construction (`[num_blocks, 2, layers, kv_heads]`
-float32, gathered on the host, one small copy on the current stream);
-`write` then gets K and V dequantized in float32 (`float(x) * scale`), to be
-rotated in float32 and rounded once to the cache dtype (`LayerWriter`).
+and, given `scales` (the pool's parameters `[slots, 2, layers, kv_heads,
+1 + head_dim]`: scale and per-channel centre, `store.fp8`), the restored
+blocks' parameters (float32; on CUDA copied from the pinned pool on the
+copy stream before the first layer, one copy per run of slots); `write`
+then gets K and V dequantized in float32 (`float(x) * scale + centre`), to
+be rotated in float32 and rounded once to the cache dtype (`LayerWriter`).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
-from vllm_sekv.store.host_pool import to_device
+from vllm_sekv.store.fp8 import dequantize
 from vllm_sekv.store.slot_runs import runs
 
 # (layer index, key [n * block_tokens, kv_heads, head_dim], value [same])
@@ -72,10 +73,14 @@ class LayerwiseRestore:
             raise ValueError("on CUDA a layerwise restore needs a copy stream and a pinned pool")
         if (scales is not None) != (pool.dtype == torch.float8_e4m3fn):
             raise ValueError("scales are required with an fp8 pool, and only with one")
-        self._scales = None  # fp8: [num_blocks, 2, layers, kv_heads] float32 on the device
+        self._scales = None  # fp8: [num_blocks, 2, layers, kv_heads, 1 + head_dim] float32 on the device
+        self._host_scales = scales  # CUDA fp8: copied run by run on the copy stream at `start`
         if scales is not None:
-            picked = scales[torch.as_tensor(self.host_slots, dtype=torch.int64)]
-            self._scales = to_device(picked, self.device) if self._cuda else picked
+            if self._cuda:
+                self._scales = torch.empty((self.num_blocks, *scales.shape[1:]), dtype=torch.float32,
+                                           device=self.device)
+            else:
+                self._scales = scales[torch.as_tensor(self.host_slots, dtype=torch.int64)]
         chunk = pool.shape[3:]
         self._bufs = [torch.empty((2, self.num_blocks, *chunk), dtype=pool.dtype, device=self.device)
                       for _ in range(min(depth, self.num_layers))]
@@ -102,6 +107,10 @@ class LayerwiseRestore:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # buffers fresh from the allocator
             self.start_event = torch.cuda.Event(enable_timing=True)
             self.start_event.record(self._stream)
+            if self._scales is not None:  # before the first layer's copy: every layer's event covers them
+                with torch.cuda.stream(self._stream):
+                    for dst, src, n in self.runs:
+                        self._scales[dst:dst + n].copy_(self._host_scales[src:src + n], non_blocking=True)
         while self._next_copy < len(self._bufs):
             self._enqueue_copy()
 
@@ -131,10 +140,10 @@ class LayerwiseRestore:
             compute.wait_event(self._copied[layer])
         key = buf[0].view(self._tokens, *buf.shape[3:])
         value = buf[1].view(self._tokens, *buf.shape[3:])
-        if self._scales is not None:  # fp8: float(x) * scale of its (block, K / V, layer, head)
-            s = self._scales[:, :, layer, :, None]  # [n, 2, H, 1]
-            key = (buf[0].to(torch.float32) * s[:, None, 0]).view(self._tokens, *buf.shape[3:])
-            value = (buf[1].to(torch.float32) * s[:, None, 1]).view(self._tokens, *buf.shape[3:])
+        if self._scales is not None:  # fp8: float(x) * scale + centre of its (block, K / V, layer, head)
+            s = self._scales[:, :, layer]  # [n, 2, H, 1 + D]
+            key = dequantize(buf[0], s[:, 0], token_dim=1).view(self._tokens, *buf.shape[3:])
+            value = dequantize(buf[1], s[:, 1], token_dim=1).view(self._tokens, *buf.shape[3:])
         if self.write is None:
             raise RuntimeError("a layerwise restore loaded a layer before it was given its `write`")
         self.write(layer, key, value)

@@ -55,8 +55,9 @@ DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.floa
                torch.float8_e5m2: 5, torch.uint8: 6}
 CODEC_EXACT = 0
 # `workspace_codec` fp8: the payload is the slot's float8 e4m3 K/V, then its
-# float32 scales `[2, layers, kv_heads]` (`store.fp8`); dtype is the model's.
-CODEC_FP8 = 1
+# float32 parameters `[2, layers, kv_heads, 1 + head_dim]` (`store.fp8`); dtype is the model's.
+# Code 1 is retired: its records hold scales without centres and are never read.
+CODEC_FP8 = 2
 _CODEC_CODES = {"exact": CODEC_EXACT, "fp8": CODEC_FP8}
 
 

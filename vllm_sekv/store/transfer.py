@@ -21,8 +21,10 @@ gather (`HostGatherer`) into a staging buffer, then the reference scatter.
 
 An fp8 pool (`workspace_codec` fp8, dtype float8_e4m3fn): the staging
 buffers hold its fp8 bytes (half of an exact pool's), and `restore` takes the
-pool's `scales`; each batch's scales `[m, 2, layers, kv_heads]` (gathered on
-the host, a few hundred bytes per block) go to the device and are handed to
+pool's `scales`; each batch's parameters `[m, 2, layers, kv_heads, 1 +
+head_dim]` (an eighth of the blocks' fp8 bytes at 32 tokens a block; on CUDA
+copied from the pinned pool beside the bytes, one copy per run of slots) go
+to the device and are handed to
 the scatter (`ops.scatter_rerope(..., scales=)`) or to `write` as a fourth
 argument, which dequantize there.
 
@@ -149,8 +151,13 @@ class RestorePipeline:
         self.is_cuda = self.device.type == "cuda"
         shape = (batch_blocks, *self.block_shape)
         self._dev = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_buffers)]
-        # fp8 staging: each block's float32 scales [2, layers, kv_heads] move with it
-        self.scale_bytes = 2 * self.block_shape[1] * self.block_shape[3] * 4 if dtype == torch.float8_e4m3fn else 0
+        # fp8 staging: each block's float32 parameters [2, layers, kv_heads, 1 + head_dim] move with it
+        _, layers, _, heads, head_dim = self.block_shape
+        self.scale_bytes = 2 * layers * heads * (1 + head_dim) * 4 if dtype == torch.float8_e4m3fn else 0
+        # CUDA fp8: each staging buffer's parameters, copied beside its bytes (no host gather)
+        self._params = [torch.empty((batch_blocks, 2, layers, heads, 1 + head_dim), dtype=torch.float32,
+                                    device=self.device) for _ in range(num_buffers)] \
+            if self.scale_bytes and self.is_cuda else []
         if self.is_cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._scatter_done: list[torch.cuda.Event | None] = [None] * num_buffers
@@ -186,7 +193,7 @@ class RestorePipeline:
         `[m, 2, layers, block_tokens, kv_heads, head_dim]` on the device, and
         `key_caches` / `value_caches` are then unused.
 
-        `scales` (an fp8 pool's `[slots, 2, layers, kv_heads]` float32, required
+        `scales` (an fp8 pool's `[slots, 2, layers, kv_heads, 1 + head_dim]` float32, required
         exactly when the pool is fp8): `write` then gets the batch's scales as
         a fourth argument.
 
@@ -231,13 +238,15 @@ class RestorePipeline:
                 for d, s, m in runs(batch.moved_slots):
                     staged[d:d + m].copy_(pool[s:s + m], non_blocking=True)
                 batch.keep(staged, resident, self.device)
+                batch_scales = None
+                if scales is not None:  # every block's, resident ones too: from the pinned host tensor
+                    batch_scales = self._params[buf][:b1 - b0]
+                    for d, s, m in runs(batch.slots):
+                        batch_scales[d:d + m].copy_(scales[s:s + m], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             compute.wait_event(done)
             batch_slots, batch_deltas = batch.tokens(slots_dev, deltas_dev, self.block_tokens)
-            batch_scales = None
-            if scales is not None:  # a few hundred bytes a block, on the compute stream
-                batch_scales = to_device(scales[torch.as_tensor(batch.slots, dtype=torch.int64)], self.device)
             self._write(staged, key_caches, value_caches, batch_slots, batch_deltas, rope, write, batch_scales)
             ev = torch.cuda.Event()
             ev.record(compute)

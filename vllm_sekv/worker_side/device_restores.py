@@ -55,6 +55,7 @@ from vllm_sekv import compat
 from vllm_sekv.worker_side.device_reports import RestoreTiming
 from vllm_sekv.ops import rotate_keys
 from vllm_sekv.store.capture import CaptureWriter
+from vllm_sekv.store.fp8 import dequantize
 from vllm_sekv.store.host_pool import HostPool, to_device
 from vllm_sekv.store.layerwise import LayerwiseRestore
 from vllm_sekv.store.resident import ResidentBlocks
@@ -186,10 +187,11 @@ class LayerWriter:
     def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor,
               scales: torch.Tensor | None = None) -> None:
         """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`
-        (fp8 with its `scales [m, 2, layers, kv_heads]`: dequantized in float32 first)."""
+        (fp8 with its parameters `scales [m, 2, layers, kv_heads, 1 + head_dim]`:
+        dequantized in float32 first)."""
         geo = self.geometry
         if scales is not None:
-            staged = staged.to(torch.float32) * scales[:, :, :, None, :, None]
+            staged = dequantize(staged, scales, token_dim=3)
         for idx in self.layers:
             key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
             value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)

@@ -13,9 +13,10 @@ rotates in float32 and rounds once to the cache dtype. The table costs
 `rotary_dim * 4` bytes per token against `num_layers * kv_heads * head_dim * 4`
 bytes of K/V moved, i.e. well under 1% of the traffic.
 
-With `scales` (an fp8 host pool's, `store.fp8`): the staging buffer holds
-float8 e4m3; the kernel loads each token's K and V scale of its (staging row,
-layer, head), dequantizes in float32 (`float(x) * scale`), rotates the keys
+With `scales` (an fp8 host pool's parameters, `store.fp8`): the staging
+buffer holds float8 e4m3; the kernel loads each token's K and V scale and
+per-channel centres of its (staging row, layer, head), dequantizes in float32
+(`float(x) * scale + centre`), rotates the keys
 in float32 and rounds once to the caches' dtype, as the reference does. One
 extra pointer and a constexpr flag (`HAS_SCALES`); without it the code path is
 the exact one (V and pass-through dims copied bit for bit).
@@ -84,7 +85,7 @@ def rope_pairs(toks, t_mask, COS, SIN, HALF: tl.constexpr, IS_NEOX: tl.constexpr
 def _scatter_rerope_kernel(
     STAGING, SRC_ROWS, SLOTS, COS, SIN, KPTRS, VPTRS, CACHE_REF, SCALES,
     num_tokens, kv_heads, page_size, row_stride, half_stride, layer_stride, tok_stride,
-    k_sp, k_st, k_sh, k_sd, v_sp, v_st, v_sh, v_sd, sc_row, sc_half, sc_layer,
+    k_sp, k_st, k_sh, k_sd, v_sp, v_st, v_sh, v_sd, sc_row, sc_half, sc_layer, sc_head,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_SRC_ROWS: tl.constexpr, HAS_PASS: tl.constexpr, HAS_SCALES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
@@ -124,12 +125,12 @@ def _scatter_rerope_kernel(
         lm = r_mask[:, None] & i_mask[None, :]
         x1 = tl.load(src[:, None] + d1[None, :], mask=lm, other=0.0).to(tl.float32)
         x2 = tl.load(src[:, None] + d2[None, :], mask=lm, other=0.0).to(tl.float32)
-        if HAS_SCALES:  # fp8 staging: scale of (row, K / V, layer, head) per token
-            sc = SCALES + blk * sc_row + layer * sc_layer + head
+        if HAS_SCALES:  # fp8 staging: scale, then centres, of (row, K / V, layer, head) per token
+            sc = SCALES + blk * sc_row + layer * sc_layer + head * sc_head
             k_scale = tl.load(sc, mask=r_mask, other=1.0)
             v_scale = tl.load(sc + sc_half, mask=r_mask, other=1.0)
-            x1 = x1 * k_scale[:, None]
-            x2 = x2 * k_scale[:, None]
+            x1 = x1 * k_scale[:, None] + tl.load(sc[:, None] + 1 + d1[None, :], mask=lm, other=0.0)
+            x2 = x2 * k_scale[:, None] + tl.load(sc[:, None] + 1 + d2[None, :], mask=lm, other=0.0)
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
         wm = s_mask[:, None] & i_mask[None, :]
@@ -137,14 +138,18 @@ def _scatter_rerope_kernel(
         tl.store(k_dst[:, None] + d2[None, :] * k_sd, y2.to(DTYPE), mask=wm)
         if HAS_PASS:  # dims [2*HALF, HEAD_DIM) are not rotated
             p_mask = (dd >= 2 * HALF) & d_mask
-            xp = tl.load(src[:, None] + dd[None, :], mask=r_mask[:, None] & p_mask[None, :], other=0.0)
+            pm = r_mask[:, None] & p_mask[None, :]
+            xp = tl.load(src[:, None] + dd[None, :], mask=pm, other=0.0)
             if HAS_SCALES:
-                xp = (xp.to(tl.float32) * k_scale[:, None]).to(DTYPE)
+                xp = xp.to(tl.float32) * k_scale[:, None] + tl.load(sc[:, None] + 1 + dd[None, :], mask=pm, other=0.0)
+                xp = xp.to(DTYPE)
             tl.store(k_dst[:, None] + dd[None, :] * k_sd, xp, mask=s_mask[:, None] & p_mask[None, :])
         # V: plain copy (fp8: dequantized, rounded once to the cache dtype).
-        v = tl.load(src[:, None] + half_stride + dd[None, :], mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+        vm = r_mask[:, None] & d_mask[None, :]
+        v = tl.load(src[:, None] + half_stride + dd[None, :], mask=vm, other=0.0)
         if HAS_SCALES:
-            v = (v.to(tl.float32) * v_scale[:, None]).to(DTYPE)
+            v_centre = tl.load(sc[:, None] + sc_half + 1 + dd[None, :], mask=vm, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None] + v_centre).to(DTYPE)
         tl.store(v_dst[:, None] + dd[None, :] * v_sd, v, mask=s_mask[:, None] & d_mask[None, :])
 
 
@@ -217,7 +222,7 @@ def scatter_rerope(
         scales if scales is not None else cos,
         num_tokens, kv_heads, key_caches[0].shape[1], staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
         ks[0], ks[1], ks[2], ks[3], vs[0], vs[1], vs[2], vs[3],
-        *(scales.stride()[:3] if scales is not None else (0, 0, 0)),
+        *(scales.stride()[:4] if scales is not None else (0, 0, 0, 0)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_TOKENS=block_tokens,
         IS_NEOX=rope.is_neox_style, HAS_SRC_ROWS=rows is not None, HAS_PASS=2 * half < head_dim,
         HAS_SCALES=scales is not None,

@@ -15,11 +15,11 @@ Batch token n goes to slot `slot_mapping[n]` = page * page_size + offset;
 slot -1 skips the token. K is rotated by `delta_positions[n]` (new position minus
 stored position) with `rotate_keys`; V is copied.
 
-Optional `scales [n_rows, 2, num_layers, kv_heads]` float32 (one per staging
-row, K or V, layer and head; `store.fp8`): the staging buffer then holds
-float8 e4m3 (an fp8 host pool's bytes) and each element is dequantized as
-`float(x) * scale`, keys rotated in float32, and the result rounded once to
-the caches' dtype.
+Optional `scales [n_rows, 2, num_layers, kv_heads, 1 + head_dim]` float32
+(per staging row, K or V, layer and head: a scale and a centre per channel;
+`store.fp8`): the staging buffer then holds float8 e4m3 (an fp8 host pool's
+bytes) and each element is dequantized as `float(x) * scale + centre`, keys
+rotated in float32, and the result rounded once to the caches' dtype.
 
 Mutates only the destination caches (in place); the staging buffer is read only.
 Raises ValueError on mismatched shapes or dtypes.
@@ -43,7 +43,7 @@ def check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_po
     if scales is not None:
         if staging.dtype != torch.float8_e4m3fn:
             raise ValueError(f"scales go with float8_e4m3fn staging, got {staging.dtype}")
-        want = (staging.shape[0], 2, num_layers, kv_heads)
+        want = (staging.shape[0], 2, num_layers, kv_heads, 1 + head_dim)
         if tuple(scales.shape) != want or scales.dtype != torch.float32:
             raise ValueError(f"scales must be float32 {list(want)}, got {scales.dtype} {list(scales.shape)}")
     if len(key_caches) != num_layers or len(value_caches) != num_layers:
@@ -83,9 +83,9 @@ def scatter_rerope(
     device = key_caches[0].device
     rows = staging if src_rows is None else staging[src_rows.to(staging.device)]
     rows = rows.to(device)
-    if scales is not None:  # float(x) * scale in float32; rotated in float32 below, rounded once at the store
-        s = scales if src_rows is None else scales[src_rows.to(scales.device)]
-        rows = rows.to(torch.float32) * s.to(device)[:, :, :, None, :, None]
+    if scales is not None:  # float(x) * scale + centre in float32; rotated in float32 below, rounded once at the store
+        s = (scales if src_rows is None else scales[src_rows.to(scales.device)]).to(device)
+        rows = rows.to(torch.float32) * s[..., 0][:, :, :, None, :, None] + s[..., 1:][:, :, :, None]
     slots = slot_mapping.to(device=device, dtype=torch.int64)
     deltas = delta_positions.to(device=device, dtype=torch.int64)
     keep = slots >= 0
