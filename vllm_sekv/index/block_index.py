@@ -32,6 +32,8 @@ host tier by the copy engine, `HostPool.slot_keys_on`); elsewhere blocking.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -40,6 +42,8 @@ from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
 from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.index import block_summaries as summaries
+
+logger = logging.getLogger("vllm_sekv")
 
 
 class BlockIndex:
@@ -96,6 +100,14 @@ class BlockIndex:
             entries = summary.reshape(n, s, num_layers, kv_heads, head_dim).transpose(1, 2)
             self.entries[idx] = entries.to(self.entries.dtype)
             self.valid.index_fill_(0, idx, True)  # `valid[idx] = True` copies the scalar: a synchronization
+
+    def warm_up(self, q_heads: int) -> None:
+        """Compile the fused scoring kernel's variants now (a second or so
+        each on a machine's first start, from Triton's cache afterwards), so
+        that no probe waits for a compile. Nothing to do off the fused path."""
+        if self.fused:
+            n = ops.warm_up_scoring(self.entries, q_heads)
+            logger.info("sekv: block index scoring compiled for %d query-count tiles", n)
 
     def drop(self, slot: int) -> None:
         self.valid[slot] = False

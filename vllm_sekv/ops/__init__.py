@@ -80,6 +80,14 @@ def score_sub_blocks(queries: torch.Tensor, entries: torch.Tensor, layer: int, s
     return _scoring_ref.score_sub_blocks_reference(queries, entries, layer, slots, valid)
 
 
+def warm_up_scoring(entries: torch.Tensor, q_heads: int) -> int:
+    """Compile the Triton scoring kernel's variants for `entries` up front
+    (`sub_block_scoring.warm_up`); returns how many query counts it scored."""
+    from vllm_sekv.ops.scoring import sub_block_scoring
+
+    return sub_block_scoring.warm_up(entries, q_heads)
+
+
 def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                    slot_mapping: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec,
                    src_rows: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
@@ -115,5 +123,5 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
     return _coarse_ref.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
 
 
-__all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_sub_blocks", "scatter_rerope", "gather_rerope",
+__all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_sub_blocks", "warm_up_scoring", "scatter_rerope", "gather_rerope",
            "coarse_merge"]

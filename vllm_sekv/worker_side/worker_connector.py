@@ -178,6 +178,8 @@ class SekvWorkerSide:
         # On CUDA the index lives on the GPU: probes score where the queries are.
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind,
                                 device=device if device.type == "cuda" else "cpu")
+        mc = self.vllm_config.model_config
+        self.index.warm_up(mc.get_num_attention_heads(self.vllm_config.parallel_config))
         self.index_feed = IndexFeed(self.index, self.pool, self.capture_writer, self.config.block_tokens)
         view_tokens = self.config.view_tokens or compat.native_window_tokens(self.vllm_config)
         self.probes = ProbeScorer(self.index, self.router, geo, self.rope, self.config.block_tokens,

@@ -228,4 +228,5 @@ def scatter_rerope(
         HAS_SCALES=scales is not None,
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_PROG=heads_per_prog, num_warps=4,
+        enable_fp_fusion=False,  # no FMA: the same float32 roundings as the reference
     )

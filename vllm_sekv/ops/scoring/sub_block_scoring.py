@@ -37,8 +37,10 @@ PyTorch reference: `sub_block_reference.score_sub_blocks_reference`, same argume
   everything is enqueued on the current CUDA stream; fit for vLLM's forward
   pass. Mutates nothing; allocates the result, O(splits * Hq * M) floats and,
   when the dtypes differ, a copy of the queries in the entries' dtype.
-* Tiles shrink for small M or B (powers of two), so a few variants compile on
-  first use (about a second each): warm up with the M and B ranges served.
+* Compiles on first use, about a second per variant: the row tiles shrink
+  for small M (powers of two), nothing else varies with the sizes (the
+  candidate tiles are fixed and the size arguments are not specialized), so
+  `warm_up` compiles every variant a probe can meet, a handful, up front.
 
 Design: two passes. The logsumexp over a block's S
 vectors needs no pass of its own: exp(logit_b) = sum_s exp(dot_bs), so
@@ -155,7 +157,14 @@ def _load_rows(Q, rows, row_mask, num_queries, group_base, stride_qm, stride_qh,
     return tl.load(ptr, mask=row_mask[:, None], other=0.0)
 
 
-@triton.jit
+def _unspecialized(*names: str):
+    """`triton.jit` without specializing these integer arguments on their
+    value (1, divisibility by 16): a new candidate or query count reuses the
+    compiled kernel instead of compiling another."""
+    return triton.jit(do_not_specialize=list(names))
+
+
+@_unspecialized("num_cands", "num_slots", "num_queries", "group_rows", "blocks_per_split", "part_stride")
 def _lse_kernel(
     Q, Q_LO, E, SLOTS, VALID, PART, num_cands, num_slots, num_queries, group_rows, blocks_per_split, part_stride,
     stride_qm, stride_qh, stride_qd, stride_eb, stride_es, stride_eh, qk_scale_log2,
@@ -191,7 +200,7 @@ def _lse_kernel(
     tl.store(PART + split * part_stride + g * group_rows + rows, lse, mask=row_mask)
 
 
-@triton.jit
+@_unspecialized("n", "num_splits", "part_stride")
 def _combine_kernel(PART, LSE, n, num_splits, part_stride, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -203,7 +212,7 @@ def _combine_kernel(PART, LSE, n, num_splits, part_stride, SPLITS: tl.constexpr,
     tl.store(LSE + offs, mx + tl.log2(tl.sum(tl.exp2(x - mx[None, :]), 0)), mask=mask)
 
 
-@triton.jit
+@_unspecialized("num_cands", "num_slots", "num_queries", "group_rows", "stride_oh")
 def _accum_kernel(
     Q, Q_LO, E, SLOTS, VALID, LSE, OUT, num_cands, num_slots, num_queries, group_rows, stride_oh,
     stride_qm, stride_qh, stride_qd, stride_eb, stride_es, stride_eh, qk_scale_log2,
@@ -250,8 +259,29 @@ def _sm_count_of(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count  # host query, no sync
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+def _row_tile(cap: int, rows: int) -> int:
+    """Rows per tile: the rows rounded up to a power of two, 16 to `cap`."""
+    return min(cap, max(16, triton.next_power_of_2(max(int(rows), 1))))
+
+
+def warm_up(entries: torch.Tensor, q_heads: int, config: SubBlockConfig | None = None) -> int:
+    """Compile every kernel variant `score_sub_blocks` can meet on `entries`
+    with `q_heads` query heads (one per pair of row tiles, and the splits'
+    combine), by scoring zero queries against no valid candidate. Returns the
+    number of query counts scored. Blocks until done (start-up, not a step)."""
+    cfg = config or DEFAULT_CONFIG
+    num_slots, _, _, kv_heads, head_dim = entries.shape
+    group = q_heads // kv_heads
+    seen: dict[tuple[int, int], int] = {}
+    for m in range(1, max(cfg.acc_block_m, triton.cdiv(cfg.lse_block_m, group)) + 1):
+        seen.setdefault((_row_tile(cfg.lse_block_m, group * m), _row_tile(cfg.acc_block_m, m)), m)
+    slots = torch.arange(num_slots, dtype=torch.int64, device=entries.device)
+    valid = torch.zeros(num_slots, dtype=torch.bool, device=entries.device)
+    for m in seen.values():
+        queries = torch.zeros((m, q_heads, head_dim), dtype=torch.float32, device=entries.device)
+        score_sub_blocks(queries, entries, 0, slots, valid, cfg)
+    torch.cuda.synchronize(entries.device)
+    return len(seen)
 
 
 def score_sub_blocks(
@@ -297,8 +327,8 @@ def score_sub_blocks(
     strides = (q.stride(0), q.stride(1), q.stride(2), e.stride(0), e.stride(1), e.stride(2))
 
     # Pass 1: partial log2-sum-exp2 per (split, KV head, row).
-    bm1 = min(cfg.lse_block_m, _pow2_at_least(group_rows, 16))
-    bv1 = max(s, min(cfg.lse_block_v, _pow2_at_least(num_cands * s, 16)))
+    bm1 = _row_tile(cfg.lse_block_m, group_rows)
+    bv1 = max(s, cfg.lse_block_v)
     bn1 = bv1 // s
     row_tiles = triton.cdiv(group_rows, bm1)
     if cfg.lse_splits:
@@ -323,12 +353,12 @@ def score_sub_blocks(
         lse = torch.empty(part_stride, dtype=torch.float32, device=queries.device)
         _combine_kernel[(triton.cdiv(part_stride, cfg.combine_block),)](
             part, lse, part_stride, splits, part_stride,
-            SPLITS=triton.next_power_of_2(splits), BLOCK=cfg.combine_block, num_warps=4,
+            SPLITS=triton.next_power_of_2(cfg.max_splits), BLOCK=cfg.combine_block, num_warps=4,
         )
 
     # Pass 2: probabilities summed over queries and each block's S vectors.
-    bm2 = min(cfg.acc_block_m, _pow2_at_least(num_queries, 16))
-    bv2 = max(s, min(cfg.acc_block_v, _pow2_at_least(num_cands * s, 16)))
+    bm2 = _row_tile(cfg.acc_block_m, num_queries)
+    bv2 = max(s, cfg.acc_block_v)
     _accum_kernel[(triton.cdiv(num_cands, bv2 // s), kv_heads)](  # writes every out[h, b] once
         q, q_lo, e, slots, valid_u8, lse, out, num_cands, num_slots, num_queries, group_rows, out.stride(0),
         *strides, scale,
