@@ -101,3 +101,31 @@ def test_the_index_is_fed_on_its_own_stream_and_only_a_scoring_step_waits_for_it
     host.add_many(pool, [s for s, _ in blocks], [t for _, t in blocks])
     torch.testing.assert_close(index.entries.cpu(), host.entries, atol=2e-2, rtol=2e-2)
     assert torch.equal(index.valid.cpu(), host.valid)
+
+
+def _compiled_variants() -> int:
+    from vllm_sekv.ops.scoring import sub_block_scoring as k
+
+    device = torch.cuda.current_device()
+    return sum(len(fn.device_caches[device][0]) for fn in (k._lse_kernel, k._combine_kernel, k._accum_kernel))
+
+
+def test_after_the_warm_up_no_probe_size_compiles_a_kernel():
+    """`warm_up` compiles every variant of the fused scoring kernel: probes of
+    any query count against any number of candidates then reuse them (a
+    compile inside a step costs about a second)."""
+    rope = RopeSpec(inv_freq=1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D), rotary_dim=D)
+    slots = 4096
+    pool = HostPool(slots, L, T, H, D, torch.bfloat16, pin_memory=True)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
+    index = BlockIndex(slots, L, H, D, rope, kind="sub4_pre", device="cuda")
+    index.add_many(pool, list(range(slots)), [s * T for s in range(slots)])
+    index.warm_up(HQ)
+    compiled = _compiled_variants()
+    assert compiled >= 3
+    for m in (1, 2, 3, 7, 16, 31, 32, 33, 100, 257):
+        for b in (1, 5, 64, 1000, 4095):
+            queries = torch.randn(m, HQ, D, device="cuda")
+            index.score(m % L, queries, torch.randint(0, slots, (b,), device="cuda"))
+    torch.cuda.synchronize()
+    assert _compiled_variants() == compiled
