@@ -10,10 +10,11 @@ questions ("What is the deploy key for service-NNNN?") is then fed after
 it and answered greedily. Variants:
 
 * `bf16`: K/V rounded to bfloat16 (what the exact workspace stores);
-* `fp8`: the workspace's fp8 codec (`vllm_sekv.store.fp8`: e4m3 residuals
-  around each block's per-channel centre, one scale per block, K or V,
-  layer and KV head);
-* `fp8-uncentred`: the same without the centre (the residual is the value);
+* `fp8`: the workspace's fp8 codec (`vllm_sekv.store.fp8`: e4m3 with one
+  scale per block, K or V, layer and KV head, around a per-channel centre
+  in the channels whose block mean is a bias);
+* `fp8-centre-all`: the same with every channel centred on its block mean;
+* `fp8-uncentred`: the same without centres (the values as they are);
 * `k-bf16-v-fp8`: keys as `bf16`, values as `fp8`.
 
 Reported per variant: answers right out of n with a 95% Wilson interval,
@@ -54,6 +55,12 @@ def fp8(blocks: torch.Tensor) -> torch.Tensor:
     return dequantize(q, params, token_dim=1, dtype=torch.float32)
 
 
+def fp8_centre_all(blocks: torch.Tensor) -> torch.Tensor:
+    """e4m3 with one scale per (block, head) around every channel's block mean."""
+    centre = blocks.mean(dim=1, keepdim=True)
+    return fp8_uncentred(blocks - centre) + centre
+
+
 def fp8_uncentred(blocks: torch.Tensor) -> torch.Tensor:
     """e4m3 with one scale per (block, head) and no centre."""
     scale = (blocks.abs().amax(dim=-1).amax(dim=1) / FP8_MAX).clamp_min(1e-30)[:, None, :, None]
@@ -67,6 +74,7 @@ def bf16(blocks: torch.Tensor) -> torch.Tensor:
 VARIANTS = {  # name -> (keys, values)
     "bf16": (bf16, bf16),
     "fp8": (fp8, fp8),
+    "fp8-centre-all": (fp8_centre_all, fp8_centre_all),
     "fp8-uncentred": (fp8_uncentred, fp8_uncentred),
     "k-bf16-v-fp8": (bf16, fp8),
 }

@@ -8,15 +8,18 @@ positions (the host tier's canonical, post-RoPE form) and cast to ``--dtype``
 (bf16: what a served model stores); that cast is the reference, i.e. what the
 ``exact`` workspace codec stores. Each ``--block-tokens`` block of each layer
 is then quantized exactly as the fp8 host pool does (``vllm_sekv.store.fp8``:
-e4m3, one scale per block, K or V, layer and KV head) and dequantized.
+e4m3 with one scale per block, K or V, layer and KV head, around a centre in
+the channels whose block mean is a bias) and dequantized.
 
 Reported, per text and overall: relative Frobenius error of K and of V per
 (block, layer, KV head), mean and p90, and the largest element error relative
 to its group's amax; the relative error of the attention output of the last
 ``--new-tokens`` queries (at their positions, causal, per layer, then
 averaged) with the history's K/V replaced by the fp8 round trip (the new
-tokens' own K/V exact); the bytes per token of both codecs. Writes OUT.json
-and OUT.md::
+tokens' own K/V exact); the bytes per token of both codecs. Then the
+centring rule's choice: the attention output's error with each of
+`--gates` as the codec's `CENTRE_GATE` (0: every channel centred on its
+block mean; inf: none). Writes OUT.json and OUT.md::
 
     OMP_NUM_THREADS=1 python benchmarks/codecs/fp8_error.py
 """
@@ -41,6 +44,7 @@ from lowrank_analysis import attention, rel  # noqa: E402
 from lowrank_study import load_texts  # noqa: E402
 from vllm_sekv.ops import RopeSpec, rotate_keys  # noqa: E402
 from vllm_sekv.store import HostPool  # noqa: E402
+from vllm_sekv.store import fp8  # noqa: E402
 from vllm_sekv.store.fp8 import dequantize, quantize  # noqa: E402
 
 
@@ -49,9 +53,9 @@ def fp8_round_trip(x: torch.Tensor, block_tokens: int) -> torch.Tensor:
     quantizer, block by block -> float32 [L, T, H, D]."""
     num_layers, total, heads, dim = x.shape
     blocks = x.reshape(num_layers, total // block_tokens, block_tokens, heads, dim)
-    q, scale, finite = quantize(blocks, token_dim=2)
+    q, params, finite = quantize(blocks, token_dim=2)
     assert bool(finite.all())
-    return dequantize(q, scale, token_dim=2).reshape(num_layers, total, heads, dim)
+    return dequantize(q, params, token_dim=2).reshape(num_layers, total, heads, dim)
 
 
 def group_errors(x_hat: torch.Tensor, x: torch.Tensor, block_tokens: int) -> dict[str, list[float]]:
@@ -102,6 +106,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache-dir", default=".cache/lowrank_study")
+    ap.add_argument("--gates", type=float, nargs="*", default=[0, 1, 2, 4, 8, float("inf")])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fp8_codec", "report"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -110,6 +115,12 @@ def main() -> None:
     texts = load_texts(args)
     dtype = getattr(torch, args.dtype)
     per_text = [analyze(t, dtype, args.block_tokens, args.new_tokens) for t in texts]
+    by_gate, codec_gate = {}, fp8.CENTRE_GATE
+    for gate in args.gates:
+        fp8.CENTRE_GATE = gate
+        runs = [analyze(t, dtype, args.block_tokens, args.new_tokens) for t in texts]
+        by_gate[str(gate)] = stats([x for t in runs for x in t["attn"]])
+    fp8.CENTRE_GATE = codec_gate
     num_layers, _, heads, dim = texts[0]["k_pre"].shape
     bytes_exact = HostPool.bytes_per_block(num_layers, args.block_tokens, heads, dim, dtype) / args.block_tokens
     bytes_fp8 = HostPool.bytes_per_block(num_layers, args.block_tokens, heads, dim, dtype, "fp8") / args.block_tokens
@@ -120,6 +131,7 @@ def main() -> None:
         "v_max_err_over_amax": stats([x for t in per_text for x in t["v"]["max_over_amax"]]),
         "attn_rel": stats([x for t in per_text for x in t["attn"]]),
         "bytes_per_token": {"exact": bytes_exact, "fp8": bytes_fp8, "ratio": bytes_fp8 / bytes_exact},
+        "attn_rel_by_centre_gate": by_gate,
     }
     command = H.command(__file__, prefix="OMP_NUM_THREADS=1 python")
     res = {"command": command, "meta": H.meta(command), "args": vars(args),
@@ -132,12 +144,17 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     json.dump(res, open(args.out + ".json", "w"), indent=1)
     rows = [f"| {name} | {s['mean']:.4f} | {s['p90']:.4f} | {s['max']:.4f} |"
-            for name, s in summary.items() if name != "bytes_per_token"]
+            for name, s in summary.items() if name not in ("bytes_per_token", "attn_rel_by_centre_gate")]
+    gates = [f"| {g}{' (the codec)' if float(g) == codec_gate else ''} | {s['mean']:.4f} | {s['p90']:.4f} | "
+             f"{s['max']:.4f} |" for g, s in by_gate.items()]
     b = summary["bytes_per_token"]
     table = ["", f"fp8 workspace codec against {args.dtype} K/V, {len(texts)} texts x {args.length} tokens, "
              f"{args.block_tokens}-token blocks, last {args.new_tokens} tokens as queries.", "",
              "| quantity | mean | p90 | max |", "|---|---|---|---|", *rows, "",
-             f"Host bytes per token: exact {b['exact']:.0f}, fp8 {b['fp8']:.0f} (ratio {b['ratio']:.3f}).", ""]
+             f"Host bytes per token: exact {b['exact']:.0f}, fp8 {b['fp8']:.0f} (ratio {b['ratio']:.3f}).", "",
+             "Attention output's relative error by centring rule (a channel is centred where its block mean is more "
+             "than GATE of its standard deviations from 0; 0: every channel, inf: none):", "",
+             "| gate | mean | p90 | max |", "|---|---|---|---|", *gates, ""]
     H.write_report(args.out + ".md", H.header_from(res["meta"], "fp8 workspace codec error") + table)
     print("\n".join(table))
     print(f"wrote {args.out}.json / .md in {res['elapsed_s']:.0f} s")

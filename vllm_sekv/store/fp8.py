@@ -1,25 +1,32 @@
 """The fp8 workspace codec (`workspace_codec: fp8`): K/V as float8 e4m3
-around a per-channel centre, with float32 parameters per (block, K or V,
+around per-channel centres, with float32 parameters per (block, K or V,
 layer, KV head): `[scale, centre_0 .. centre_{D-1}]` (`1 + head_dim` values).
 
-The centre is the group's mean over the block's tokens, one per channel; the
-residual `x - centre` is stored, with `scale = amax(|x - centre|) / 448` over
-the block's tokens and head_dim (448: the largest finite e4m3fn value; an
-all-zero residual gets scale 1.0). A stored element is `round_e4m3((x -
-centre) / scale)` (clamped to +-448 first, so rounding never overflows to
-NaN); it reads back as `float(q) * scale + centre`. e4m3 keeps 3 mantissa
-bits: an element whose scaled residual is a normal e4m3 number (>= 2**-6) is
-off by at most 2**-4 of its residual, a subnormal one by at most 2**-10
-(half the spacing 2**-9), all times `scale`.
+A channel's centre is its mean over the block's tokens where that mean is
+more than `CENTRE_GATE` (4) of its standard deviations from 0 (a bias: the
+channel hardly changes within the block), else 0. The residual `x - centre`
+is stored, with `scale = amax(|x - centre|) / 448` over the block's tokens
+and head_dim (448: the largest finite e4m3fn value; an all-zero residual
+gets scale 1.0). A stored element is `round_e4m3((x - centre) / scale)`
+(clamped to +-448 first, so rounding never overflows to NaN); it reads back
+as `float(q) * scale + centre`. e4m3 keeps 3 mantissa bits: an element whose
+scaled residual is a normal e4m3 number (>= 2**-6) is off by at most 2**-4
+of its residual, a subnormal one by at most 2**-10 (half the spacing
+2**-9), all times `scale`.
 
-Why the centre: some models' keys hold a few large channels that change
-little from token to token (the key projection's bias: Qwen2.5's reach 358
-where the rest are of order 1-10). Quantized as they are, e4m3's relative
-error turns them into noise of several units that differs per token, on
-every attention logit, and the model stops answering
-(`benchmarks/results/fp8_codec/answers.md`: 0 of 10 against 10 of 10 with
-the centre). The centres cost 4 bytes per channel per block and group: with
-32-token blocks the host tier holds 0.56 of the exact codec's bytes.
+Why centres: some models' keys hold a few large channels that change little
+from token to token (the key projection's bias: Qwen2.5's reach 358 where
+the rest are of order 1-10). Quantized as they are, e4m3's relative error
+turns them into noise of several units that differs per token, on every
+attention logit, and the model stops answering
+(`benchmarks/results/fp8_codec/answers.md`). Why only there: a channel that
+varies about 0 is better kept as it is, where each element's error is
+relative to itself; centring it moves error onto the tokens near 0, and on
+SmolLM2 centring every channel raised the attention output's error from
+0.028 to 0.034 where the gate lowers it to 0.023
+(`benchmarks/results/fp8_codec/report.md`). The centres cost 4 bytes per
+channel per block and group: with 32-token blocks the host tier holds 0.56
+of the exact codec's bytes.
 
 Keys are quantized as the pool stores them (post-RoPE at their stored
 position); a restore dequantizes on the device, rotates in float32 and rounds
@@ -39,6 +46,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 CODECS = ("exact", "fp8")
+# A channel is centred where its mean over the block is this many standard deviations from 0.
+CENTRE_GATE = 4.0
 
 
 def quantize(x: torch.Tensor, token_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,12 +55,16 @@ def quantize(x: torch.Tensor, token_dim: int) -> tuple[torch.Tensor, torch.Tenso
     last) -> (fp8 residuals of x's shape; float32 parameters, x's shape less
     the token dim with head_dim + 1 values last: scale, then the centre per
     channel; a bool mask of the groups that were finite). Groups with
-    non-finite input get scale NaN, centre 0 and zero values."""
+    non-finite input get scale NaN, centre 0 and zero values. A channel's
+    centre is its mean where that is more than `CENTRE_GATE` of its standard
+    deviations from 0, else 0."""
     token_dim = token_dim % x.dim()
     xf = x.to(torch.float32)
     finite = torch.isfinite(xf).all(dim=-1).all(dim=token_dim)
-    centre = xf.nan_to_num(0.0, 0.0, 0.0).mean(dim=token_dim, keepdim=True)
-    centre = torch.where(finite.unsqueeze(token_dim).unsqueeze(-1), centre, torch.zeros_like(centre))
+    clean = xf.nan_to_num(0.0, 0.0, 0.0)
+    std, mean = torch.std_mean(clean, dim=token_dim, correction=0, keepdim=True)
+    centred = finite.unsqueeze(token_dim).unsqueeze(-1) & (mean.abs() > CENTRE_GATE * std)
+    centre = torch.where(centred, mean, torch.zeros_like(mean))
     residual = xf - centre
     amax = residual.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1).amax(dim=token_dim)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
