@@ -123,5 +123,5 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
     return _coarse_ref.coarse_merge(q, out_view, lse_view, k_sum, v_sum, summary_tokens, scale)
 
 
-__all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_sub_blocks", "warm_up_scoring", "scatter_rerope", "gather_rerope",
-           "coarse_merge"]
+__all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_sub_blocks", "warm_up_scoring", "scatter_rerope",
+           "gather_rerope", "coarse_merge"]
