@@ -40,6 +40,13 @@ step=$1; shift
 start=$(date +%s)
 log() { echo "[$step] $* ($(( $(date +%s) - start )) s)"; }
 
+wait_for_qwen() {  # up to $1 s for the conversion; at once when nothing was carried (a fresh machine)
+  [ -f "$QWEN/config.json" ] && return 0
+  [ -f /tmp/convert.log ] || { log "no Qwen here: this machine has not had its carry (a fresh machine?)"; return 1; }
+  for _ in $(seq "$1"); do [ -f "$QWEN/config.json" ] && return 0; sleep 1; done
+  log "Qwen's conversion has not finished: $(tail -1 /tmp/convert.log)"; return 1
+}
+
 run() {  # run NAME LIMIT_S CMD...: the command's log in $OUT/NAME.log, its tail here
   local name=$1 limit=$2; shift 2
   local s=$(date +%s)
@@ -99,7 +106,7 @@ case $step in
       tests/protocol/test_head_start.py tests/worker_side/test_rerank.py tests/store/test_capture.py \
       tests/store/test_host_pool.py tests/store/test_layerwise.py tests/ops/test_gather.py \
       tests/ops/test_rotate.py tests/gpu/test_cuda_index.py tests/store/test_fp8.py tests/worker_side/test_fp8_capture.py
-    for _ in $(seq 200); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
+    wait_for_qwen 200
     cp /tmp/convert.log "$OUT/convert.log" 2>/dev/null
     wait_for_fidelity_servers
     run qwen_engine 330 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_qwen.py
@@ -109,7 +116,7 @@ case $step in
     run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py "$@"
     log "engine tests done" ;;
   fidelity)  # start the evaluation in the background: it outlives the call, `wait` follows it
-    for _ in $(seq 300); do [ -f "$QWEN/config.json" ] && break; sleep 1; done
+    wait_for_qwen 300 || exit 1
     wait_for_fidelity_servers
     mkdir -p "$FID"
     setsid nohup python3 benchmarks/fidelity/run.py --model "$QWEN" --code-root /tmp/stdlib/python3.11 \
