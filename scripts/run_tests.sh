@@ -6,16 +6,14 @@
 # Two test files at a time (SEKV_TEST_WORKERS): a vLLM server on a CPU computes
 # on one thread and spends much of its start-up importing, so two engines share
 # a 2-core machine well. A file's tests stay on one worker (its module fixtures
-# start each engine once), and files go out in collection order, the engine
-# tests (the longest) first (xdist would otherwise hand out the files with the
-# most tests first). Tests marked `serial` check bounded times (Redis
+# start each engine once). Tests marked `serial` check bounded times (Redis
 # timeouts, back-offs) and run afterwards, alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PYTEST="${SEKV_VENV:-.venv}/bin/pytest"
 status=0
-"$PYTEST" -q -rs -n "${SEKV_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "not serial" tests "$@" || status=$?
+"$PYTEST" -q -rs -n "${SEKV_TEST_WORKERS:-2}" --dist loadfile -m "not serial" tests "$@" || status=$?
 serial=0
 "$PYTEST" -q -rs -m serial tests "$@" || serial=$?
 [ "$serial" -eq 5 ] && serial=0  # 5: the arguments selected no serial test
