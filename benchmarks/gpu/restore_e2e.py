@@ -293,8 +293,8 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
         lines.append("| " + " | ".join(cells) + " |")
     fp8 = {(r["engine"], r["history_tokens"]): r for r in rows if codec_of(r) == "fp8"}
     if fp8:
-        lines += ["", "The fp8 workspace (`workspace_codec` fp8: float8 K/V with a scale and per-channel centres per block, layer and KV head; "
-                  "the bound at its bytes per token):", "",
+        lines += ["", "The fp8 workspace (`workspace_codec` fp8: float8 K/V with a scale and per-channel centres "
+                  "per block, layer and KV head; the bound at its bytes per token):", "",
                   "| history | sekv host fp8 | sekv disk fp8 | fp8 bound | sekv restore fp8 | native / sekv fp8 | "
                   "sekv exact / sekv fp8 |", "|---|---|---|---|---|---|---|"]
         for length in lengths:
@@ -325,7 +325,8 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
                   "`submit_to_loads_enqueued`: from the request's submission to the end of the first "
                   "`connector.pre_forward`, where both connectors enqueue the restore's copies; `submit_to_end_of X`: "
                   "to the end of X's first call after the submission):", "",
-                  "| method | " + " | ".join(r["engine"] + (" fp8" if codec_of(r) == "fp8" else "") for r in timed) + " |", "|---" * (len(timed) + 1) + "|"]
+                  "| method | " + " | ".join(r["engine"] + (" fp8" if codec_of(r) == "fp8" else "") for r in timed)
+                  + " |", "|---" * (len(timed) + 1) + "|"]
         for label in labels:
             cells = [f"{r['timers'][label]['ms']:.2f} ({r['timers'][label]['calls']:.0f})" if label in r["timers"]
                      else "—" for r in timed]
