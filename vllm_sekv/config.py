@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 ENV_PREFIX = "SEKV_"
 # SEKV_* variables that are not config keys (read elsewhere, documented there).
-NON_CONFIG_ENV = frozenset({"SEKV_CACHE_DIR", "SEKV_MODEL_PARTS", "SEKV_VENV", "SEKV_COMMIT"})
+NON_CONFIG_ENV = frozenset({"SEKV_CACHE_DIR", "SEKV_MODEL_PARTS", "SEKV_VENV", "SEKV_TEST_WORKERS", "SEKV_COMMIT"})
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)

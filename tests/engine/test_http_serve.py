@@ -29,7 +29,7 @@ def post(url, path, body=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method="POST",
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urllib.request.urlopen(req, timeout=900) as r:
         raw = r.read()
     return json.loads(raw) if raw else None
 

@@ -19,7 +19,8 @@ from test_nvme_serve import answer, ask, history
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_server import RedisServer  # noqa: E402
 
-pytestmark = pytest.mark.engine
+# Redis calls time out at 200 ms: run alone, not beside another engine (`serial`)
+pytestmark = [pytest.mark.engine, pytest.mark.serial]
 
 ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "SEKV_HASH_SECRET": "the fleet's shared secret"}
 KEY = re.compile(r"^sekv:(b:[0-9a-f]{32}\.r0|s:[0-9a-f]{32}:[0-9a-f]{32})$")

@@ -16,6 +16,9 @@ from vllm_sekv.store.remote import record_key  # noqa: E402
 from vllm_sekv.workspace.sessions import Workspace  # noqa: E402
 from vllm_sekv.workspace.tenants import TenantKeys  # noqa: E402
 
+# bounded-time checks (a timeout, a back-off): run alone, not beside an engine (`serial`)
+pytestmark = pytest.mark.serial
+
 H = [bytes([i]) * 16 for i in range(1, 200)]
 
 

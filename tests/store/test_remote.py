@@ -18,6 +18,9 @@ from vllm_sekv.store.records import RecordLayout  # noqa: E402
 from vllm_sekv.store.remote import RedisStore, RemoteHealth, RemoteUnavailable, check_url, record_key  # noqa: E402
 from vllm_sekv.store.remote_io import RemoteIO  # noqa: E402
 
+# bounded-time checks (a timeout, a back-off): run alone, not beside an engine (`serial`)
+pytestmark = pytest.mark.serial
+
 H = [bytes([i]) * 16 for i in range(8)]
 TENANT, OTHER = b"\xaa" * 16, b"\xbb" * 16
 
