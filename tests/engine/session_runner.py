@@ -7,7 +7,9 @@ SPEC: {"model": dir, "sekv": extra_config or null, "turns": [text, ...] or "prom
        "reset": bool (default true), "async_scheduling": bool (default false),
        "hook_never_fires": bool (default false), "cudagraph_mode": str (default: eager)}
 Each step's prompt is the previous prompt + the previous output + the next turn,
-as token ids (no re-tokenization at the seams). vLLM's prefix cache is reset
+as token ids (no re-tokenization at the seams); with "feed_outputs" false, the
+previous prompt + the next turn (two runs whose outputs differ then still
+send the same prompts). vLLM's prefix cache is reset
 before every step unless "reset" is false (then vLLM's own cache serves the
 history: the case sekv replaces). "prompt_ids" instead of "turns": one step
 on exactly these token ids. "extra_args": every request's
@@ -137,7 +139,8 @@ def main(spec_path: str, out_path: str) -> None:
     for turn in spec.get("turns", ()):
         ids = ids + tok.encode(turn, add_special_tokens=False)
         steps.append(run(ids, spec["salt"]))
-        ids = ids + steps[-1]["output_token_ids"]
+        if spec.get("feed_outputs", True):
+            ids = ids + steps[-1]["output_token_ids"]
     probe = {"other_salt": run(steps[-1]["prompt_token_ids"], spec["other_salt"]),
              "same_salt": run(steps[-1]["prompt_token_ids"], spec["salt"])}
     sc = llm.llm_engine.vllm_config.scheduler_config

@@ -1,12 +1,12 @@
 """End to end on the real vLLM engine and SmolLM2 (bf16) with `workspace_codec:
 fp8`: the same 3-step session as `test_restore_offline`, run once with the
-exact workspace and once with the fp8 one. The fp8 session restores the same
+exact workspace and once with the fp8 one, both sending the same prompts (a
+step's outputs are not fed back into the next prompt, so a drift in one step
+does not change the next step's question). The fp8 session restores the same
 history from its host tier (same tokens restored, vLLM's prefix cache reset
 before every step), moves about half the bytes host->device, and its greedy
 continuation is the exact workspace's. Checked on the first 8 tokens of each
-restored step: fp8 K/V is lossy, so longer continuations may drift (on the
-development machine, an x86 CPU, all 24 tokens of both restored steps were
-identical)."""
+restored step: fp8 K/V is lossy, so longer continuations may drift."""
 import pytest
 
 from engine_process import run_runner
@@ -21,7 +21,7 @@ def run_session(tmp_path, model_dir, essay, codec):
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
     sekv = {"host_bytes": "512M", "block_tokens": BLOCK_TOKENS, "workspace_codec": codec}
     spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24, "salt": "tenant-a",
-            "other_salt": "tenant-b", "dtype": "bfloat16", "reset": True, "metrics": True}
+            "other_salt": "tenant-b", "dtype": "bfloat16", "reset": True, "metrics": True, "feed_outputs": False}
     return run_runner("session_runner.py", spec, tmp_path, f"sekv-bf16-{codec}")
 
 
@@ -34,8 +34,7 @@ def sessions(tmp_path_factory, model_dir, essay):
 def test_fp8_restores_the_same_history_from_the_host_tier(sessions):
     exact, fp8 = sessions
     for e, f in zip(exact["steps"][1:], fp8["steps"][1:]):
-        assert f["prompt_token_ids"][: len(e["prompt_token_ids"]) // 2] == e["prompt_token_ids"][
-            : len(e["prompt_token_ids"]) // 2]
+        assert f["prompt_token_ids"] == e["prompt_token_ids"]
         restored = f["kv_transfer_params"]["sekv"]["restored_tokens"]["host"]
         assert restored > 0 and f["num_cached_tokens"] == restored
         computed_before = len(f["prompt_token_ids"]) - f["kv_transfer_params"]["sekv"]["prefilled_tokens"]

@@ -226,21 +226,22 @@ class RestorePipeline:
         # The copies follow what the compute stream was told to wait for (the
         # captures that wrote these slots, `CaptureWriter.order`).
         self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):  # the batches' index arrays: copied there, read on both
+            batches = _plan(host_slots, self.batch_blocks, self.block_tokens, resident, keep, self.device,
+                            also_read_on=compute)
         moved = placed = 0
-        for i, b0 in enumerate(range(0, n, self.batch_blocks)):
-            b1 = min(n, b0 + self.batch_blocks)
+        for i, batch in enumerate(batches):
             buf = i % len(self._dev)
-            batch = _Batch.of(host_slots, b0, b1, resident, keep)
-            staged = self._dev[buf][:b1 - b0]
+            staged = self._dev[buf][:len(batch.slots)]
             with torch.cuda.stream(self.copy_stream):
                 if self._scatter_done[buf] is not None:  # the scatter that last read this buffer
                     self.copy_stream.wait_event(self._scatter_done[buf])
                 for d, s, m in runs(batch.moved_slots):
                     staged[d:d + m].copy_(pool[s:s + m], non_blocking=True)
-                batch.keep(staged, resident, self.device)
+                batch.keep(staged, resident)
                 batch_scales = None
                 if scales is not None:  # every block's, resident ones too: from the pinned host tensor
-                    batch_scales = self._params[buf][:b1 - b0]
+                    batch_scales = self._params[buf][:len(batch.slots)]
                     for d, s, m in runs(batch.slots):
                         batch_scales[d:d + m].copy_(scales[s:s + m], non_blocking=True)
                 done = torch.cuda.Event()
@@ -269,12 +270,10 @@ class RestorePipeline:
     def _restore_cpu(self, pool, host_slots, key_caches, value_caches, slots, deltas, rope, write,
                      scales, resident, keep) -> RestoreHandle:
         moved = placed = 0
-        for b0 in range(0, len(host_slots), self.batch_blocks):
-            b1 = min(len(host_slots), b0 + self.batch_blocks)
-            batch = _Batch.of(host_slots, b0, b1, resident, keep)
-            staging = self._dev[0][:b1 - b0]
+        for batch in _plan(host_slots, self.batch_blocks, self.block_tokens, resident, keep, self.device):
+            staging = self._dev[0][:len(batch.slots)]
             self.gatherer.gather(pool, batch.moved_slots, staging)
-            batch.keep(staging, resident, self.device)
+            batch.keep(staging, resident)
             batch_scales = None
             if scales is not None:
                 batch_scales = scales[torch.as_tensor(batch.slots, dtype=torch.int64)]
@@ -292,7 +291,12 @@ class RestorePipeline:
 class _Batch:
     """One batch of a restore in staging order: its moved blocks first
     (`moved_slots`, copied from the host into staging rows 0..), then its
-    resident ones (copied on the device into the rows after them)."""
+    resident ones (copied on the device into the rows after them).
+
+    Its index arrays on the device (`_plan` moves every batch's in one copy):
+    `placed_index` (the resident entries to read), `admit_index` (the entries
+    that keep its first moved blocks), `token_rows` (the batch's token rows in
+    staging order; None when that is the batch's own order)."""
 
     b0: int
     slots: list[int]  # host slots in staging order
@@ -300,6 +304,9 @@ class _Batch:
     order: np.ndarray | None  # staging row -> index in the batch (None: the batch's own order)
     placed_entries: list[int]
     admit_entries: list[int]  # entries for moved_slots[:len(admit_entries)]
+    placed_index: torch.Tensor | None = None
+    admit_index: torch.Tensor | None = None
+    token_rows: torch.Tensor | None = None
 
     @classmethod
     def of(cls, host_slots: Sequence[int], b0: int, b1: int, resident: ResidentBlocks | None,
@@ -309,14 +316,23 @@ class _Batch:
             return cls(b0, slots, slots, None, [], [])
         plan = resident.plan(slots, keep=keep)
         order = np.asarray(plan.moved + [i for i, _ in plan.placed], dtype=np.int64)
-        return cls(b0, [slots[i] for i in order], [slots[i] for i in plan.moved], order,
+        if (order == np.arange(len(order))).all():
+            order = None
+        return cls(b0, [slots[i] for i in order] if order is not None else slots,
+                   [slots[i] for i in plan.moved], order,
                    [e for _, e in plan.placed], [e for _, e in plan.admit])
 
     @property
     def num_placed(self) -> int:
         return len(self.placed_entries)
 
-    def keep(self, staged: torch.Tensor, resident: ResidentBlocks | None, device: torch.device) -> None:
+    def host_indices(self, block_tokens: int) -> list[np.ndarray]:
+        """`placed_index`, `admit_index` and `token_rows` as host arrays (empty: none)."""
+        rows = np.empty(0, dtype=np.int64) if self.order is None else \
+            (self.order[:, None] * block_tokens + np.arange(block_tokens)[None, :]).reshape(-1)
+        return [np.asarray(self.placed_entries, dtype=np.int64), np.asarray(self.admit_entries, dtype=np.int64), rows]
+
+    def keep(self, staged: torch.Tensor, resident: ResidentBlocks | None) -> None:
         """Fill the resident blocks' staging rows from the device and keep the
         admitted moved ones there (after their host copies, on the current
         stream)."""
@@ -325,18 +341,45 @@ class _Batch:
         m = len(self.moved_slots)
         kept, rows = resident.data.view(torch.uint8), staged.view(torch.uint8)  # any dtype, fp8 included
         if self.placed_entries:
-            entries = to_device(np.asarray(self.placed_entries, dtype=np.int64), device)
-            torch.index_select(kept, 0, entries, out=rows[m:m + len(self.placed_entries)])
+            torch.index_select(kept, 0, self.placed_index, out=rows[m:m + len(self.placed_entries)])
         if self.admit_entries:
-            entries = to_device(np.asarray(self.admit_entries, dtype=np.int64), device)
-            kept.index_copy_(0, entries, rows[:len(self.admit_entries)])
+            kept.index_copy_(0, self.admit_index, rows[:len(self.admit_entries)])
 
     def tokens(self, slot_mapping: torch.Tensor, deltas: torch.Tensor,
                block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's slot mapping and deltas, in staging order."""
         lo, hi = self.b0 * block_tokens, (self.b0 + len(self.slots)) * block_tokens
-        if self.order is None or (self.order == np.arange(len(self.order))).all():
+        if self.token_rows is None:
             return slot_mapping[lo:hi], deltas[lo:hi]
-        rows = (self.order[:, None] * block_tokens + np.arange(block_tokens)[None, :]).reshape(-1)
-        rows = to_device(rows, slot_mapping.device)
-        return slot_mapping[lo:hi].index_select(0, rows), deltas[lo:hi].index_select(0, rows)
+        return slot_mapping[lo:hi].index_select(0, self.token_rows), deltas[lo:hi].index_select(0, self.token_rows)
+
+
+def _plan(host_slots: Sequence[int], batch_blocks: int, block_tokens: int, resident: ResidentBlocks | None,
+          keep: set[int], device: torch.device, also_read_on: "torch.cuda.Stream | None" = None) -> list[_Batch]:
+    """A restore's batches, in order. With `resident` every batch is planned
+    up front (host bookkeeping: a batch's plan depends on the plans before it,
+    never on their copies) and all their index arrays go to the device in one
+    copy, on the current stream; `also_read_on`: another stream that reads
+    them (their memory is not reused before its reads). Not one copy per
+    batch and array: each goes through a pinned staging buffer, a host cost
+    per batch on the path that must only enqueue."""
+    n = len(host_slots)
+    batches = [_Batch.of(host_slots, b0, min(n, b0 + batch_blocks), resident, keep)
+               for b0 in range(0, n, batch_blocks)]
+    if resident is None:
+        return batches
+    per_batch = [batch.host_indices(block_tokens) for batch in batches]
+    flat = np.concatenate([a for arrays in per_batch for a in arrays])
+    if not len(flat):
+        return batches
+    flat = to_device(flat, device)
+    if also_read_on is not None:
+        flat.record_stream(also_read_on)
+    at = 0
+    for batch, arrays in zip(batches, per_batch):
+        views = []
+        for a in arrays:
+            views.append(flat[at:at + len(a)] if len(a) else None)
+            at += len(a)
+        batch.placed_index, batch.admit_index, batch.token_rows = views
+    return batches
