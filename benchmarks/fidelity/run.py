@@ -50,6 +50,8 @@ import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from testbed.serving import metrics  # noqa: E402
 
+# The zoom router trained for the evaluation's model (benchmarks/results/fidelity/router/README.md).
+ROUTER = Path(__file__).resolve().parents[1] / "results" / "fidelity" / "router" / "qwen2.5-coder-1.5b.router"
 SEKV_CONFIGS: dict[str, dict] = {
     "views": {},
     "views-rerank": {"rerank_blocks": 1024},
@@ -61,6 +63,13 @@ SEKV_CONFIGS: dict[str, dict] = {
     "sekv": {"surprisal": "on", "coarse": "on"},
     "sekv-nocoarse": {"surprisal": "on"},
     "sekv-lr16": {"surprisal": "on", "coarse": "on", "restore_codec": "lowrank(16)"},
+    # the zoom router (`vllm-sekv calibrate`, ROUTER) ranks the views' blocks, with anchors
+    "sekv-router": {"surprisal": "on", "router_path": str(ROUTER)},
+    # one SeKV part at a time on top of the re-ranked selection
+    "views-rerank-anchors": {"rerank_blocks": 1024, "surprisal": "on"},
+    "views-rerank-coarse": {"rerank_blocks": 1024, "surprisal": "on", "coarse": "on", "anchor_percent": 0},
+    "views-rerank-lr16": {"rerank_blocks": 1024, "surprisal": "on", "restore_codec": "lowrank(16)",
+                          "anchor_percent": 0},
 }
 # Methods that a configuration above serves with request parameters of their
 # own (`kv_transfer_params`): (server configuration, parameters).

@@ -90,6 +90,10 @@ def test_resident_blocks_serve_the_same_views_with_fewer_bytes_moved(session, mo
                                                                            VLLM_ARGS, ENV)
     for got, want in zip([*steps, one, answer, after_edit], [*base_steps, base_one, base_answer, base_edit]):
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    for r in [*steps, one, answer, after_edit]:  # blocks placed: of the blocks the response says were restored
+        params = sekv(r)
+        restored = sum(params["restored_tokens"].values())
+        assert params["resident_blocks"] <= -(-restored // params.get("view", {}).get("block_tokens", 32))
     counts, base = after_edit["server_metrics"], base_edit["server_metrics"]
     assert counts.get("vllm:sekv_resident_blocks_total", 0) > 0
     assert counts["vllm:sekv_restored_bytes_total"] < base["vllm:sekv_restored_bytes_total"]

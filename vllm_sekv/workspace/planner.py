@@ -187,7 +187,8 @@ class WorkspacePlanner:
             held = {int(p) // bt for p in st.view_virtual[positions]}
             st.pending_restore.lowrank = {
                 st.matched[b].host_slot: block for b, block in st.view_lowrank.items() if b in held}
-        st.restored_tokens = num_external_tokens
+        st.restored_tokens = num_external_tokens  # like resident_blocks: this restore's (a view's last pass)
+        st.resident_blocks = 0
         rows_of = np.bincount(blocks, minlength=len(st.matched))  # restored rows per matched block
         used_blocks = np.flatnonzero(rows_of).tolist()
         used = [st.matched[b] for b in used_blocks]

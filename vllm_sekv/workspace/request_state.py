@@ -60,7 +60,7 @@ class RequestState:
     nvme_read_tokens: int = 0  # of those, tokens read back from NVMe for this request
     remote_read_tokens: int = 0  # of those, tokens read from the remote tier
     restore_seconds: float = 0.0
-    resident_blocks: int = 0  # restored blocks copied from the device's resident pool instead
+    resident_blocks: int = 0  # of restored_tokens' blocks, those copied from the device's resident pool
 
     def paged_slots(self, paged_block_size: int, positions: np.ndarray) -> np.ndarray:
         """vLLM's paged slot of each of the request's `positions`. Converts

@@ -13,6 +13,7 @@
 #   setup           unpack vLLM 0.26, install this project, prepare SmolLM2
 #   tests           the CUDA unit tests, then Qwen's engine and serve tests
 #   engine [ARGS]   SmolLM2's engine tests (ARGS: more pytest arguments, e.g. -k fp8)
+#   pytest ARGS     any tests (e.g. tests/gpu/test_cuda_views.py -k resident), beside an evaluation
 #   fidelity ARGS   start benchmarks/fidelity/run.py on Qwen in the background
 #   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT
 #                   (FID=/tmp/fidN before `bash`: a second evaluation beside the first,
@@ -104,7 +105,7 @@ case $step in
     run cuda_unit 200 pytest -q -rs -p no:cacheprovider tests/worker_side/test_device_reports.py \
       tests/worker_side/test_device_restores.py tests/worker_side/test_full_graph_steps.py \
       tests/protocol/test_head_start.py tests/worker_side/test_rerank.py tests/store/test_capture.py \
-      tests/store/test_host_pool.py tests/store/test_layerwise.py tests/ops/test_gather.py \
+      tests/store/test_host_pool.py tests/store/test_resident.py tests/store/test_layerwise.py tests/ops/test_gather.py \
       tests/ops/test_rotate.py tests/gpu/test_cuda_index.py tests/store/test_fp8.py tests/worker_side/test_fp8_capture.py
     wait_for_qwen 200
     cp /tmp/convert.log "$OUT/convert.log" 2>/dev/null
@@ -115,6 +116,10 @@ case $step in
     wait_for_fidelity_servers
     run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py "$@"
     log "engine tests done" ;;
+  pytest)  # the tests named, once an evaluation's servers are up
+    wait_for_fidelity_servers
+    run pytest 580 pytest -v -rs -p no:cacheprovider "$@"
+    log "tests done" ;;
   fidelity)  # start the evaluation in the background: it outlives the call, `wait` follows it
     wait_for_qwen 300 || exit 1
     wait_for_fidelity_servers
