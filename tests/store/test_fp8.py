@@ -442,3 +442,23 @@ def test_a_record_of_the_other_codec_is_a_miss(tmp_path):
         RecordIO(NvmeLayout(tmp_path, "x"), pool.data, io.record_layout, threads=1)  # fp8 layout, no scales
     for x in (io, exact_io):
         x.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_rows_read_on_a_device_equal_the_host_read_tails_included(device):
+    """`rows_on` (the coarse summaries' reader): whole fp8 slots moved and
+    dequantized on the device, rows picked there; rows of a block still in its
+    tail come from the tail, as `read_rows_all_layers` reads them."""
+    pool = HostPool(4, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8", pin_memory=device == "cuda")
+    pool.write_rows_all_layers(torch.arange(0, 2 * BT), _kv(2 * BT, seed=1))  # slots 0 and 1, whole
+    pool.write_rows_all_layers(torch.arange(2 * BT, 2 * BT + 3), _kv(3, seed=2))  # slot 2: 3 rows in its tail
+    rows = np.array([2 * BT + 1, 3, BT + 5, 2 * BT, 0, 2 * BT + 2])
+    k, v = pool.rows_on(rows, torch.device(device))
+    want_k, want_v = pool.read_rows_all_layers(torch.from_numpy(rows))
+    assert k.device.type == device
+    if device == "cpu":
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    else:  # dequantized by the device's arithmetic: within one bfloat16 rounding
+        torch.testing.assert_close(k.cpu(), want_k, rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(v.cpu(), want_v, rtol=2 ** -7, atol=1e-6)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,18 @@ def test_slot_keys_on_a_device_are_the_slots_keys(device):
     keys = pool.slot_keys_on(slots, torch.device(device))
     assert keys.device.type == device
     assert torch.equal(keys.cpu(), pool.data[torch.tensor(slots), 0])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() and cudart.available()), reason="CUDA only"))])
+def test_rows_on_a_device_are_the_rows_the_host_reads(device):
+    """`rows_on` (the coarse summaries' reader): the rows' whole slots moved,
+    the rows picked on the device, bit for bit what `read_rows_all_layers` reads."""
+    pool = HostPool(num_slots=9, num_layers=2, block_tokens=4, kv_heads=2, head_dim=8, dtype=torch.bfloat16,
+                    pin_memory=device == "cuda")
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(3)))
+    rows = np.array([13, 0, 14, 35, 1, 20, 21, 22, 23, 5])
+    k, v = pool.rows_on(rows, torch.device(device))
+    want_k, want_v = pool.read_rows_all_layers(torch.from_numpy(rows))
+    assert k.device.type == device
+    assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)

@@ -6,8 +6,10 @@ stands for, with the summary built from the host pool exactly as specified
 import math
 
 import numpy as np
+import pytest
 import torch
 
+from vllm_sekv.worker_side import coarse_attention
 from vllm_sekv.worker_side.coarse_attention import CoarseAttention, StepRows
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
@@ -58,9 +60,7 @@ def test_merged_attention_equals_attention_over_view_and_expanded_summaries():
     pool, spec, history, g = setup()
     r = rope()
     coarse = CoarseAttention(L, H, D, torch.float32, torch.device("cpu"), r)
-    coarse.begin("req", spec, *(pool.data[torch.from_numpy(spec.host_rows) // BT, i, :,
-                                           torch.from_numpy(spec.host_rows) % BT] for i in (0, 1)),
-                 history, 0)
+    coarse.begin("req", spec, lambda rows: pool.rows_on(rows, torch.device("cpu")), history, 0)
     k_sum, v_sum = expected_summaries(pool, spec, r)
     # A step of 3 new tokens at view positions 12..14, in a batch of 5 rows.
     positions = torch.tensor([12, 13, 14])
@@ -92,12 +92,33 @@ def test_merged_attention_equals_attention_over_view_and_expanded_summaries():
 def test_rows_whose_view_keys_are_not_all_known_are_left_alone():
     pool, spec, history, g = setup()
     coarse = CoarseAttention(L, H, D, torch.float32, torch.device("cpu"), rope())
-    keys, values = (pool.data[torch.from_numpy(spec.host_rows) // BT, i, :, torch.from_numpy(spec.host_rows) % BT]
-                    for i in (0, 1))
-    coarse.begin("req", spec, keys, values, history[:, 4:], 4)  # positions 0..3 never written
+    coarse.begin("req", spec, lambda rows: pool.rows_on(rows, torch.device("cpu")), history[:, 4:], 4)  # 0..3 unwritten
     q, output = torch.randn((2, HQ, D), generator=g), torch.randn((2, HQ, D), generator=g)
     before = output.clone()
     coarse.merge("req", 0, q, output, StepRows.of(np.array([0, 1]), np.array([12, 13]), torch.device("cpu")), 0.3)
     assert torch.equal(output, before) and coarse.skipped_rows == 2
     coarse.finish(["req"])
     assert not coarse.requests
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_summaries_built_a_few_rows_at_a_time_on_the_device_equal_the_specified_ones(monkeypatch, device):
+    """The rows are read and summed in chunks (3 rows here, where summaries
+    span chunks), from the pool's whole slots moved to the device."""
+    pool, spec, history, _ = setup()
+    if device == "cuda":
+        pinned = HostPool(6, L, BT, H, D, torch.float32, pin_memory=True)
+        pinned.data.copy_(pool.data)
+        pool = pinned
+    r = rope()
+    monkeypatch.setattr(coarse_attention, "CHUNK_ROWS", 3)
+    coarse = CoarseAttention(L, H, D, torch.float32, torch.device(device), r)
+    coarse.begin("req", spec, lambda rows: pool.rows_on(rows, torch.device(device)), history.to(device), 0)
+    k_sum, v_sum = expected_summaries(pool, spec, r)
+    state = coarse.requests["req"]
+    torch.testing.assert_close(state.k_sum.cpu(), k_sum.transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.v_sum.cpu(), v_sum.transpose(0, 1), atol=1e-5, rtol=1e-5)

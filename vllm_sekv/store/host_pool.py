@@ -377,22 +377,55 @@ class HostPool:
         being copied into these slots, `CaptureWriter.order`); fp8 keys move
         as fp8 with their scales and are dequantized there. Elsewhere a
         host gather (dequantized on the host), then a copy."""
+        return self._slots_on(slots, device, keys_only=True)
+
+    def slots_on(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        """K and V of whole slots, `[n, 2, num_layers, block_tokens, kv_heads,
+        head_dim]` in `dtype`, on `device`, moved as `slot_keys_on` moves keys
+        (the same contract: the caller orders the current stream after the
+        captures)."""
+        return self._slots_on(slots, device, keys_only=False)
+
+    def _slots_on(self, slots: list[int], device: torch.device, keys_only: bool) -> torch.Tensor:
         index = torch.tensor(slots, dtype=torch.int64)
+        pick = (index, 0) if keys_only else (index,)
+        token_dim = 2 if keys_only else 3
         if device.type != "cuda" or not self.pinned:
             if self.scales is None:
-                return self.data[index, 0].to(device)
-            return dequantize(self.data[index, 0], self.scales[index, 0], token_dim=2, dtype=self.dtype).to(device)
-        out = torch.empty((len(slots), *self.data.shape[2:]), dtype=self.data.dtype, device=device)
-        key_bytes = out[0].numel() * out.element_size()
+                return self.data[pick].to(device)
+            return dequantize(self.data[pick], self.scales[pick], token_dim=token_dim, dtype=self.dtype).to(device)
+        part = self.data[0, 0] if keys_only else self.data[0]
+        out = torch.empty((len(slots), *part.shape), dtype=self.data.dtype, device=device)
+        width = part.numel() * part.element_size()
         slot_bytes = self.data[0].numel() * self.data.element_size()
         stream = torch.cuda.current_stream(device)
         for at, first, n in runs(slots):
-            cudart.copy2d_async(out[at].data_ptr(), key_bytes, self.data[first, 0].data_ptr(), slot_bytes,
-                                key_bytes, n, stream)
+            src = self.data[first, 0] if keys_only else self.data[first]
+            cudart.copy2d_async(out[at].data_ptr(), width, src.data_ptr(), slot_bytes, width, n, stream)
         if self.scales is None:
             return out
-        scales = to_device(self.scales[index, 0], device)
-        return dequantize(out, scales, token_dim=2, dtype=self.dtype)
+        return dequantize(out, to_device(self.scales[pick], device), token_dim=token_dim, dtype=self.dtype)
+
+    def rows_on(self, rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read_rows_all_layers` with the result on `device`: K/V `[n,
+        num_layers, kv_heads, head_dim]` at flat token rows. To CUDA the rows'
+        whole slots move (`slots_on`, its contract) and the rows are picked
+        there: no gather and no rotation on the host; fp8 rows of blocks still
+        in their tails are read on the host. Elsewhere `read_rows_all_layers`."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if device.type != "cuda" or not self.pinned:
+            k, v = self.read_rows_all_layers(torch.from_numpy(rows))
+            return k.to(device), v.to(device)
+        slots, at = np.unique(rows // self.block_tokens, return_inverse=True)
+        blocks = self.slots_on(slots.tolist(), device)  # [u, 2, L, bt, H, D]
+        at, offsets = to_device(at.astype(np.int64), device), to_device(rows % self.block_tokens, device)
+        k, v = blocks[at, 0, :, offsets], blocks[at, 1, :, offsets]  # [n, L, H, D]
+        tails = np.flatnonzero(self.in_tails(rows))
+        if len(tails):
+            hk, hv = self.read_rows_all_layers(torch.from_numpy(rows[tails]))
+            picked = to_device(tails, device)
+            k[picked], v[picked] = hk.to(device), hv.to(device)
+        return k, v
 
     def block_keys(self, slot: int) -> torch.Tensor:
         """All keys of one slot, `[num_layers, block_tokens, kv_heads, head_dim]`

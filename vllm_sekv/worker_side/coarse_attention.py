@@ -3,9 +3,9 @@ leaves out, merged into the attention of the view's tokens.
 
 Per request whose view has summaries (`CoarseOp` in the step plan):
   `begin`        (before the forward of the view's first step) builds every
-                 layer's summaries from the host pool: the pool's keys
-                 de-rotated to pre-RoPE, surprisal-weighted per summary
-                 (`segment_summaries.group_weights`), rotated to the
+                 layer's summaries from the host pool, on the device: the
+                 pool's keys de-rotated to pre-RoPE, surprisal-weighted per
+                 summary (`segment_summaries.group_weights`), rotated to the
                  summary's view position; values likewise, unrotated. It also
                  takes the view's restored history keys, as the restore
                  writes them, into the request's own key buffer;
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -39,6 +40,10 @@ from vllm_sekv.workspace.step_plan import CoarseSummaries
 from vllm_sekv.workspace.segment_summaries import group_weights
 
 logger = logging.getLogger("vllm_sekv")
+
+# K/V `[n, L, H, D]` of host rows `[n]`, on the summaries' device (`HostPool.rows_on`).
+RowReader = Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]]
+CHUNK_ROWS = 8192  # rows summarized at a time: about 0.5 GB of K/V on Llama-3-8B's geometry
 
 
 @dataclass(frozen=True)
@@ -76,22 +81,30 @@ class CoarseAttention:
         r = self.requests[req_id]
         return 2 * r.k_sum.numel() * r.k_sum.element_size()
 
-    def begin(self, req_id: str, spec: CoarseSummaries, pool_keys: torch.Tensor, pool_values: torch.Tensor,
+    def begin(self, req_id: str, spec: CoarseSummaries, read_rows: RowReader,
               history_keys: torch.Tensor, history_start: int) -> None:
-        """Build `req_id`'s summaries from the summarized rows' pool K/V
-        (`[n, L, H, D]`, keys post-RoPE at `spec.virtual_positions`) and take
-        the view's restored keys `history_keys [L, m, H, D]` (view positions
-        `history_start ..`) into its buffer. Replaces any earlier state."""
-        n, num_layers, heads, dim = pool_keys.shape
+        """Build `req_id`'s summaries from the summarized rows' pool K/V and
+        take the view's restored keys `history_keys [L, m, H, D]` (view
+        positions `history_start ..`) into its buffer. Replaces any earlier
+        state. `read_rows(host_rows)` gives those rows' K/V `[n, L, H, D]` on
+        this device (keys post-RoPE at `spec.virtual_positions`); they are read
+        `CHUNK_ROWS` at a time, so a whole history's left-out rows are
+        summarized on the device in bounded memory, never on the host."""
+        num_layers, heads, dim, dev = self.num_layers, self.kv_heads, self.head_dim, self.device
         num_sum = len(spec.num_tokens)
-        group = torch.from_numpy(spec.summary_of)
-        weights, _ = group_weights(group, torch.from_numpy(spec.surprisal).float(), num_sum)
-        flat = pool_keys.reshape(n, num_layers * heads, dim)
-        pre = rotate_keys(flat, -torch.from_numpy(spec.virtual_positions), self.rope)  # float32
-        k_sum = torch.zeros(num_sum, num_layers * heads, dim).index_add_(0, group, pre * weights[:, None, None])
-        v_sum = torch.zeros(num_sum, num_layers * heads, dim).index_add_(
-            0, group, pool_values.reshape(n, num_layers * heads, dim).float() * weights[:, None, None])
-        k_sum = rotate_keys(k_sum, torch.from_numpy(spec.summary_positions), self.rope)
+        weights, _ = group_weights(torch.from_numpy(spec.summary_of), torch.from_numpy(spec.surprisal).float(),
+                                   num_sum)
+        k_sum = torch.zeros(num_sum, num_layers * heads, dim, device=dev)  # float32
+        v_sum = torch.zeros_like(k_sum)
+        for lo in range(0, len(spec.host_rows), CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, len(spec.host_rows))
+            keys, values = read_rows(spec.host_rows[lo:hi])
+            group, w = to_device(spec.summary_of[lo:hi], dev), to_device(weights[lo:hi], dev)[:, None, None]
+            pre = rotate_keys(keys.reshape(hi - lo, num_layers * heads, dim),
+                              -to_device(spec.virtual_positions[lo:hi], dev), self.rope)
+            k_sum.index_add_(0, group, pre * w)
+            v_sum.index_add_(0, group, values.reshape(hi - lo, num_layers * heads, dim).float() * w)
+        k_sum = rotate_keys(k_sum, to_device(spec.summary_positions, dev), self.rope)
 
         def per_layer(x: torch.Tensor) -> torch.Tensor:  # [S, L*H, D] -> [L, S, H, D] on the device
             return x.reshape(num_sum, num_layers, heads, dim).transpose(0, 1).to(self.device, self.dtype).contiguous()

@@ -19,6 +19,7 @@ from vllm_sekv.index.router import FULL_RANK
 from vllm_sekv.model_identity import KVGeometry
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
+from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.codecs import LowRankCodec, parse_codec
 from vllm_sekv.store.lowrank_tier import LowRankTier
 from vllm_sekv.workspace.step_plan import RestoreOp
@@ -84,14 +85,19 @@ class HostRestores:
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
 
-    def exact_rows(self, host_rows: np.ndarray, rope_deltas: np.ndarray | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def exact_rows(self, host_rows: np.ndarray, rope_deltas: np.ndarray | None,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated by `rope_deltas`, as a restore writes them) and V of host
-        rows, every layer: `[L, n, H, D]` each, on the host."""
-        keys, values = self.pool.read_rows_all_layers(torch.from_numpy(host_rows))  # [n, L, H, D]
+        rows, every layer: `[L, n, H, D]` each, on the host; or read and
+        rotated on `device` (`HostPool.rows_on` and its contract: the caller
+        orders the device's stream after the captures)."""
+        if device is None:
+            keys, values = self.pool.read_rows_all_layers(torch.from_numpy(host_rows))  # [n, L, H, D]
+        else:
+            keys, values = self.pool.rows_on(host_rows, device)
         if rope_deltas is not None:
             n, num_layers, heads, dim = keys.shape
-            keys = rotate_keys(keys.reshape(n, num_layers * heads, dim), torch.from_numpy(rope_deltas),
+            keys = rotate_keys(keys.reshape(n, num_layers * heads, dim), to_device(rope_deltas, keys.device),
                                self.rope).reshape(n, num_layers, heads, dim)
         return keys.transpose(0, 1), values.transpose(0, 1)
 

@@ -58,7 +58,7 @@ class ProbeScorer:
         self.rerank_blocks = rerank_blocks
         self.rerank_distance = rerank_distance
         self.read_keys = read_keys
-        self.router = router
+        self.router = router.to(index.device) if router is not None else None  # scores where the index is
         self.geometry = geometry
         self.rope = rope
         self.block_tokens = block_tokens
@@ -190,22 +190,24 @@ class ProbeScorer:
         takes although the router would keep it coarse moves at the lowest
         expand rank; FULL_RANK, and unindexed candidates, move exact)."""
         kept = self._router_queries.setdefault(op.req_id, [[] for _ in range(self.geometry.num_layers)])
-        if len(rows):  # the router runs on the host
-            q = query[rows].reshape(len(rows), -1, self.geometry.head_dim).float().cpu()
-            kept[layer_idx].append(rotate_keys(q, -positions.cpu(), self.rope))
+        if len(rows):  # kept where the forward runs: no host copy per layer
+            q = query[rows].reshape(len(rows), -1, self.geometry.head_dim).float()
+            kept[layer_idx].append(rotate_keys(q, -positions.to(q.device), self.rope))
         if not (op.last and layer_idx == self.geometry.num_layers - 1):
             return
         del self._router_queries[op.req_id]
-        slots = torch.from_numpy(op.candidate_slots)
-        valid = self.index.valid[slots.to(self.index.device)].cpu()
-        combined = torch.zeros(len(slots), dtype=torch.float32)
-        ranks = torch.full((len(slots),), FULL_RANK, dtype=torch.float32)
-        if valid.any() and kept[0]:  # the router runs on the host
-            queries = torch.stack([torch.cat(chunks) for chunks in kept])  # [L, M, Hq, D]
-            keys = self.index.entries[slots[valid].to(self.index.device), :, 0].float().cpu().transpose(0, 1)
-            tokens = torch.full((keys.shape[1],), self.block_tokens, dtype=torch.int64)
-            scores = self.router.scores(queries, keys, tokens)
-            combined[valid] = scores.combined.float().cpu()
-            levels = torch.tensor(self.router.rank_levels, dtype=torch.float32)
-            ranks[valid] = levels[scores.tiers.cpu().clamp_min(1)]
-        self._done[op.req_id] = torch.stack([combined, ranks]).numpy()
+        dev = self.index.device  # the router scores where the index lives (a whole history's candidates)
+        slots = torch.from_numpy(op.candidate_slots).to(dev)
+        valid = self.index.valid[slots]
+        combined = torch.zeros(len(slots), dtype=torch.float32, device=dev)
+        ranks = torch.full((len(slots),), FULL_RANK, dtype=torch.float32, device=dev)
+        if kept[0]:
+            queries = torch.stack([torch.cat(chunks) for chunks in kept]).to(dev)  # [L, M, Hq, D]
+            keys = self.index.entries[slots[valid], :, 0].float().transpose(0, 1)
+            if keys.shape[1]:
+                tokens = torch.full((keys.shape[1],), self.block_tokens, dtype=torch.int64, device=dev)
+                scores = self.router.scores(queries, keys, tokens)
+                combined[valid] = scores.combined.float()
+                levels = torch.tensor(self.router.rank_levels, dtype=torch.float32, device=dev)
+                ranks[valid] = levels[scores.tiers.clamp_min(1)]
+        self._done[op.req_id] = torch.stack([combined, ranks]).cpu().numpy()

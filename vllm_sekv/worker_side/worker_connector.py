@@ -287,8 +287,12 @@ class SekvWorkerSide:
 
     def _begin_coarse(self, plan: StepPlan) -> None:
         """Build the summaries of views starting in this step (all layers,
-        from the host pool) and hand over their restored history keys."""
+        from the host pool, on the device) and hand over their restored
+        history keys."""
         restores = {op.req_id: op for op in plan.restores}
+        device = self.coarse.device  # the pool is read there, after every capture written so far
+        if device.type == "cuda" and plan.coarse:
+            self.capture_writer.order(torch.cuda.current_stream(device))
         for op in plan.coarse:
             spec = op.summaries
             if spec is None:
@@ -298,12 +302,11 @@ class SekvWorkerSide:
             if restore is not None:
                 start = restore.first_position
                 if history is None:
-                    history = self.host_restores.exact_rows(restore.host_rows, restore.rope_deltas)[0]
+                    history = self.host_restores.exact_rows(restore.host_rows, restore.rope_deltas, device)[0]
             else:
                 geo = self.geometry
                 history = torch.zeros((geo.num_layers, 0, geo.kv_heads, geo.head_dim))
-            keys, values = self.pool.read_rows_all_layers(torch.from_numpy(spec.host_rows))
-            self.coarse.begin(op.req_id, spec, keys, values, history, start)
+            self.coarse.begin(op.req_id, spec, lambda rows: self.pool.rows_on(rows, device), history, start)
             self.stats.add("summaries", len(spec.num_tokens))
             self.stats.add("summary_bytes", self.coarse.summary_bytes(op.req_id))
 
