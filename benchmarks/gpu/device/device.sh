@@ -14,6 +14,7 @@
 #   tests           the CUDA unit tests, then Qwen's engine and serve tests
 #   engine [ARGS]   SmolLM2's engine tests (ARGS: more pytest arguments, e.g. -k fp8)
 #   pytest ARGS     any tests (e.g. tests/gpu/test_cuda_views.py -k resident), beside an evaluation
+#                   (-k matches file names too: "-k cuda" selects every test of test_cuda_*.py)
 #   fidelity ARGS   start benchmarks/fidelity/run.py on Qwen in the background
 #   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT
 #                   (FID=/tmp/fidN before `bash`: a second evaluation beside the first,
