@@ -138,26 +138,36 @@ def plot(rows: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     tasks = sorted({r["task"] for r in rows}, key=lambda t: (t == "all", t))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    label = lambda r: r["method"] + (f" {r['view_tokens']}" if r["view_tokens"] else "")  # noqa: E731
+    labels = sorted({label(r) for r in rows}, key=lambda x: _method_key(x.replace(" ", ":")))
+    colors = plt.get_cmap("tab20").colors
+    style = {x: (colors[i % len(colors)], "osD^v<>"[i // len(colors) % 7]) for i, x in enumerate(labels)}
+    cols = 4
+    fig, axes = plt.subplots(-(-len(tasks) // cols), cols, figsize=(4.2 * cols, 3.4 * -(-len(tasks) // cols) + 2.2),
+                             squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
         series: dict[str, list] = defaultdict(list)
         for r in rows:
             if r["task"] == task:
-                series[f"{r['method']}" + (f" {r['view_tokens']}" if r["view_tokens"] else "")].append(r)
-        for label, rs in sorted(series.items(), key=lambda kv: _method_key(kv[0].replace(" ", ":"))):
+                series[label(r)].append(r)
+        for name, rs in series.items():
             rs.sort(key=lambda r: r["history_tokens"])
             xs = [r["history_tokens"] for r in rs]
             ys = [r["accuracy"] for r in rs]
             err = [[y - r["ci95"][0] for y, r in zip(ys, rs)], [r["ci95"][1] - y for y, r in zip(ys, rs)]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+            color, marker = style[name]
+            ax.errorbar(xs, ys, yerr=err, marker=marker, color=color, capsize=3, label=name)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.05, 1.05)
         ax.set_title(task)
         ax.set_xlabel("history tokens")
-        ax.axvline(32768, color="grey", lw=0.6, ls=":")
-    axes[0][0].set_ylabel("accuracy")
-    axes[0][-1].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+        ax.set_ylabel("accuracy")
+        ax.axvline(32768, color="grey", lw=0.6, ls=":")  # the model's native window
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    handles = [plt.Line2D([], [], color=style[x][0], marker=style[x][1]) for x in labels]
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 2.0 / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     return True
 
