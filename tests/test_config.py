@@ -46,11 +46,14 @@ def test_non_config_env_is_ignored():
         ({"workspace_codec": "int8"}, {}, "workspace_codec"),
         ({}, {"SEKV_WORKSPACE_CODEC": "FP8"}, "workspace_codec"),
         ({"resident_bytes": "1G", "restore_mode": "layerwise"}, {}, "resident_bytes"),
+        ({"lexical_candidates": 64}, {}, "lexical_candidates"),  # no rerank_blocks
+        ({"lexical_candidates": -1, "rerank_blocks": 8}, {}, "lexical_candidates"),
     ],
     ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
          "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router",
          "negative-recompute", "recompute-with-coarse", "negative-lexical-weight", "nan-lexical-weight",
-         "bad-workspace-codec", "bad-workspace-codec-env", "resident-pool-with-layerwise-restores"],
+         "bad-workspace-codec", "bad-workspace-codec-env", "resident-pool-with-layerwise-restores",
+         "lexical-candidates-without-rerank", "negative-lexical-candidates"],
 )
 def test_bad_config_names_the_key(extra, env, key):
     with pytest.raises(ValueError, match=key):

@@ -199,6 +199,13 @@ class SekvConfig:
     # scaled to the best block's (1: the lexically best block gains what the
     # index's best has; `index.lexical.fuse`).
     lexical_weight: float = 0.0
+    # Lexical candidates for the re-rank (0 = none; needs `rerank_blocks`):
+    # the history blocks that BM25 over token ids ranks this many best against
+    # the new tokens (`index.lexical`) are re-ranked beside the index's best,
+    # so that a passage sharing the question's rare words competes on its
+    # actual keys even where its summary scored low. Unlike `lexical_weight`
+    # it adds no lexical score to the ranking: the re-rank's attention decides.
+    lexical_candidates: int = 0
     # Of a view's selected history blocks, the first this many in the order
     # the view chose them (best score first) are computed afresh inside the
     # view instead of restored (0 = restore all). Restored KV carries the
@@ -287,7 +294,7 @@ class SekvConfig:
                     f"({bt}), got {n}"
                 )
         for key in ("view_tokens", "probe_query_tokens", "view_context_blocks", "rerank_blocks",
-                    "recompute_blocks"):
+                    "lexical_candidates", "recompute_blocks"):
             if getattr(self, key) < 0:
                 raise ValueError(f"sekv config '{key}': must not be negative, got {getattr(self, key)}")
         if self.view_tokens and self.view_tokens < self.sink_tokens + self.recent_tokens + 2 * bt:
@@ -360,6 +367,9 @@ class SekvConfig:
             raise ValueError("sekv config 'recompute_blocks': coarse summaries are placed by the view's "
                              "virtual order, which recomputed blocks leave; use recompute_blocks 0 "
                              "with coarse on")
+        if self.lexical_candidates and not self.rerank_blocks:
+            raise ValueError("sekv config 'lexical_candidates': lexical candidates join the token-level "
+                             "re-rank; set 'rerank_blocks' too")
         if self.rerank_blocks and self.router_path:
             raise ValueError("sekv config 'rerank_blocks': the zoom router ranks blocks on its own; "
                              "use rerank_blocks 0 with router_path")

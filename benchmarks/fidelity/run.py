@@ -58,6 +58,10 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-q16": {"probe_query_tokens": 16},
     "views-rerank-ctx1": {"rerank_blocks": 1024, "view_context_blocks": 1},
     "views-rerank-lex": {"rerank_blocks": 1024, "lexical_weight": 1.0},
+    # BM25's best 256 blocks re-ranked beside the index's best 1024 (the re-rank alone ranks)
+    "views-rerank-lexc": {"rerank_blocks": 1024, "lexical_candidates": 256},
+    # every candidate re-ranked: the index's cut out of the selection
+    "views-rerankall": {"rerank_blocks": 1 << 20},
     "views-rerank-fp8": {"rerank_blocks": 1024, "workspace_codec": "fp8"},  # the view restored from fp8 K/V
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
@@ -82,6 +86,8 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-rc16-ord": ("views-rerank", {"recompute_blocks": 16, "recompute_layout": "in_order"}),
     "views-rerank-rcall-ord": ("views-rerank", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     "views-rerank-lex-rcall-ord": ("views-rerank-lex", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    "views-rerank-lexc-rcall-ord": ("views-rerank-lexc", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    "views-rerankall-rcall-ord": ("views-rerankall", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # each selected block with its neighbours (a fact cut by a block boundary stays whole), the best recomputed
     "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16, "recompute_layout": "after_recent"}),
     "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64, "recompute_layout": "after_recent"}),

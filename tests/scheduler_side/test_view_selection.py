@@ -1,7 +1,9 @@
 """How a view coordinator ranks a probe's candidates: the block index's
 scores alone, or fused with lexical scores against the new tokens
-(`lexical_weight`)."""
+(`lexical_weight`); and which candidates it hands the re-rank beside the
+index's best (`lexical_candidates`)."""
 import numpy as np
+import pytest
 
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator, ViewJob
@@ -38,3 +40,23 @@ def test_lexical_weight_brings_the_block_holding_the_new_tokens_rare_ids_into_th
     scores = views._selection_scores(job)
     assert len(scores) == len(job.probe.candidates)
     assert 5 in final_pass(job.probe, scores.tolist(), BUDGET).history_blocks
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_lexical_candidates_mark_the_block_holding_the_new_tokens_rare_ids_for_the_rerank(count):
+    config = SekvConfig(block_tokens=BT, sink_tokens=BT, recent_tokens=2 * BT, rerank_blocks=4,
+                        lexical_candidates=count)
+    views = ViewCoordinator(config, planner=None, tenant_of=str, window_tokens=4096, capacity_tokens=4096)
+    _, job = probed(0.0)
+    probe = views._with_lexical_candidates(job, first_pass(len(job.prompt), 60, BUDGET))
+    marked = [probe.candidates[i] for i in probe.rerank_extra]
+    assert len(marked) == count and 5 in marked  # the block holding the rare ids, then its window's
+    assert list(probe.rerank_extra) == sorted(probe.rerank_extra)
+    assert probe.candidates == job.probe.candidates and probe.history_blocks == job.probe.history_blocks
+    unmarked = views._with_lexical_candidates(job, final_pass(job.probe, job.scores.tolist(), BUDGET))
+    assert unmarked.rerank_extra == ()  # only a probe's candidates are marked
+
+
+def test_without_lexical_candidates_a_probe_marks_none():
+    views, job = probed(0.0)
+    assert views._with_lexical_candidates(job, job.probe) is job.probe

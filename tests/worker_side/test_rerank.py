@@ -95,10 +95,10 @@ def _scorer(rerank_blocks: int) -> ProbeScorer:
                        lambda slots: pool.slot_keys_on(slots, torch.device("cpu")))
 
 
-def _probe_rows(scorer: ProbeScorer, queries: torch.Tensor) -> np.ndarray:
+def _probe_rows(scorer: ProbeScorer, queries: torch.Tensor, extra: tuple[int, ...] = ()) -> np.ndarray:
     op = ScoreOp("r", query_paged_slots=np.array([100, 101, 102]), query_positions=np.array([40, 41, 42]),
                  candidate_slots=np.array([1, 2, 3, 4]), candidate_starts=np.array([0, BT, 2 * BT, 3 * BT]),
-                 last=True)
+                 last=True, rerank_extra=np.array(extra, dtype=np.int64))
     scorer.begin([op], lambda slots: (np.ones(len(slots), bool), np.arange(len(slots))), torch.device("cpu"))
     for layer in range(LAYERS):
         scorer.observe(layer, queries[layer])
@@ -118,6 +118,25 @@ def test_a_reranking_probe_reports_its_best_candidates_first_in_reranked_order()
                   [int(s) for s in np.array([1, 2, 3, 4])[best]], torch.tensor([0, BT, 2 * BT, 3 * BT])[best],
                   pool_keys, ROPE, 20, "max")
     np.testing.assert_allclose(row[best], 1 + want.numpy(), rtol=1e-5)
+
+
+def test_the_schedulers_extra_candidates_are_reranked_beside_the_index_best():
+    """`rerank_extra` (BM25's best, `lexical_candidates`): the index's worst
+    candidate joins its best one in the re-rank, scored as if the index had
+    chosen both."""
+    queries = torch.randn(LAYERS, 3, Q_HEADS * D, generator=torch.Generator().manual_seed(7))
+    index_row = _probe_rows(_scorer(0), queries)[0]
+    best, worst = int(np.argmax(index_row)), int(np.argmin(index_row))
+    row = _probe_rows(_scorer(1), queries, extra=(worst,))[0]
+    both = [best, worst]
+    assert (row[both] >= 1).all() and (np.delete(row, both) < 1).all()
+    scorer = _scorer(1)
+    want = rerank(queries.reshape(LAYERS, 3, Q_HEADS, D), torch.tensor([40, 41, 42]),
+                  [int(s) for s in np.array([1, 2, 3, 4])[both]], torch.tensor([0, BT, 2 * BT, 3 * BT])[both],
+                  scorer.read_keys, ROPE, 20, "max")
+    np.testing.assert_allclose(row[both], 1 + want.numpy(), rtol=1e-5)
+    again = _probe_rows(_scorer(1), queries, extra=(best,))[0]  # one the index chose anyway: counted once
+    assert (again >= 1).sum() == 1
 
 
 def test_rerank_blocks_is_checked_at_start_up():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -181,7 +181,7 @@ class ViewCoordinator:
                         job.req_id)
                     view = truncated_pass(len(job.prompt), matched, job.budget)
                 else:
-                    view = first_pass(len(job.prompt), matched, job.budget)
+                    view = self._with_lexical_candidates(job, first_pass(len(job.prompt), matched, job.budget))
             if view.kind is PassKind.INGEST:
                 job.ingested_to = view.tail_start + view.tail_tokens
             job.current = view
@@ -224,6 +224,19 @@ class ViewCoordinator:
         history = np.asarray(job.prompt[:start], dtype=np.int64)
         scores = lexical.block_scores(history, job.prompt[start:], job.budget.block_tokens)
         return lexical.fuse(job.scores, scores[list(job.probe.candidates)], self.config.lexical_weight)
+
+    def _with_lexical_candidates(self, job: ViewJob, view: ViewPass) -> ViewPass:
+        """A probe with the `lexical_candidates` candidates that BM25 ranks
+        best against its new tokens marked for the re-rank (ties: the
+        earliest); any other pass unchanged."""
+        count = self.config.lexical_candidates
+        if not count or view.kind is not PassKind.PROBE or not view.candidates:
+            return view
+        history = np.asarray(job.prompt[: view.tail_start], dtype=np.int64)
+        scores = lexical.block_scores(history, job.prompt[view.tail_start:], job.budget.block_tokens)
+        scores = scores[list(view.candidates)]
+        best = np.argsort(-scores, kind="stable")[:count]
+        return replace(view, rerank_extra=tuple(sorted(best[scores[best] > 0].tolist())))
 
     def _block_ranks(self, job: ViewJob, view: ViewPass) -> dict[int, int]:
         """Virtual block -> rank of the view's history blocks that a lossy

@@ -11,12 +11,14 @@ scheduler side in the step's report, which picks the view's blocks with them.
 
 With `rerank_blocks` set, the probe also keeps its queries layer by layer,
 and at the end the index's best candidates are scored again with their
-actual keys (`worker_side.rerank`); the report is then one row, those
-candidates first, in their re-ranked order.
+actual keys (`worker_side.rerank`), together with the candidates the
+scheduler side names (`ScoreOp.rerank_extra`: BM25's best, config
+`lexical_candidates`); the report is then one row, those candidates first,
+in their re-ranked order.
 
 With a SeKV zoom router (config `router_path`) the router scores instead: the
-probe's pre-RoPE queries are kept layer by layer and, at the end, scored on
-the host against the candidates' surprisal-weighted mean keys; the report is
+probe's pre-RoPE queries are kept layer by layer and, at the end, scored
+where the index lives against the candidates' surprisal-weighted mean keys; the report is
 two rows, the router's relevance and each candidate's restore rank.
 
 Runs in the worker process, on the forward thread: `begin` at a step's first
@@ -161,9 +163,9 @@ class ProbeScorer:
 
     def _reranked(self, acc: torch.Tensor, kept: tuple[list[list[torch.Tensor]], list[torch.Tensor]],
                   op: ScoreOp) -> np.ndarray:
-        """One row: the index's `rerank_blocks` best indexed candidates
-        first (1 + their re-rank mass), then the others by their index score
-        scaled into [0, 1)."""
+        """One row: the index's `rerank_blocks` best indexed candidates and
+        the op's `rerank_extra` ones first (1 + their re-rank mass), then the
+        others by their index score scaled into [0, 1)."""
         device = self.index.device
         combined = combine_heads(acc.reshape(-1, acc.shape[-1]), self.index_combine)
         slots = torch.as_tensor(op.candidate_slots, device=device)
@@ -172,6 +174,11 @@ class ProbeScorer:
         if count == 0 or not kept[0][0]:
             return combined[None].cpu().numpy()
         top = combined.masked_fill(~valid, float("-inf")).topk(count).indices
+        if len(op.rerank_extra):
+            chosen = torch.zeros_like(valid)
+            chosen[top] = True
+            chosen[torch.as_tensor(op.rerank_extra, device=device)] = True
+            top = (chosen & valid).nonzero().squeeze(1)
         queries = torch.stack([torch.cat(chunks) for chunks in kept[0]])  # [L, m, Hq, D]
         positions = torch.cat(kept[1])
         mass = rerank(queries, positions, slots[top].tolist(), torch.as_tensor(op.candidate_starts, device=device)[top],

@@ -128,6 +128,7 @@ class RequestState:
             candidate_starts=np.array(view.candidates, dtype=np.int64) * bt,
             last=last,
             query_virtual_offset=view.tail_offset,
+            rerank_extra=np.asarray(view.rerank_extra, dtype=np.int64),
         )
 
     def surprisal_op(self, first: int, count: int, offset: int, captured: np.ndarray, host_rows: np.ndarray,

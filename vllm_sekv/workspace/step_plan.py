@@ -59,6 +59,8 @@ class ScoreOp:
     candidate_starts: np.ndarray  # [B] their first token's virtual position
     last: bool  # the probe's final step: report the scores
     query_virtual_offset: int = 0  # virtual - pass position of the queries ("post" kinds)
+    # indices into the candidates that a re-rank scores beside the index's best
+    rerank_extra: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass

@@ -84,6 +84,9 @@ class ViewPass:
     tail_start: int  # virtual position of the tail's first token (a block boundary)
     tail_tokens: int  # prompt tokens computed in this pass
     candidates: tuple[int, ...] = ()  # PROBE: the blocks its queries score
+    # PROBE: indices into `candidates` that a token-level re-rank scores
+    # beside the index's best (`lexical_candidates`).
+    rerank_extra: tuple[int, ...] = ()
     anchors: tuple[int, ...] = ()  # virtual positions of single anchor tokens, outside history_blocks
     # FINAL: budget tokens kept free for device KV that is not a token of the
     # pass (SeKV coarse summaries, one token's KV each).
