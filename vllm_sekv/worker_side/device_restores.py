@@ -53,7 +53,7 @@ import torch
 
 from vllm_sekv import compat
 from vllm_sekv.worker_side.device_reports import RestoreTiming
-from vllm_sekv.ops import rotate_keys
+from vllm_sekv.ops import rotate_keys, rotate_layer_keys_
 from vllm_sekv.store.capture import CaptureWriter
 from vllm_sekv.store.fp8 import dequantize
 from vllm_sekv.store.host_pool import HostPool, to_device
@@ -192,10 +192,18 @@ class LayerWriter:
         geo = self.geometry
         if scales is not None:
             staged = dequantize(staged, scales, token_dim=3)
-        for idx in self.layers:
-            key = staged[:, 0, idx].reshape(-1, geo.kv_heads, geo.head_dim)
-            value = staged[:, 1, idx].reshape(-1, geo.kv_heads, geo.head_dim)
-            self._write(idx, key, value, mapping, deltas)
+        # Every layer's K and V as [layers, tokens, kv_heads, head_dim] (one
+        # copy each), all layers' keys rotated in one call: per layer only the
+        # cache-update op is left. Launches per batch, not per batch and
+        # layer, are what a restore of placed (resident) blocks waits on.
+        keys, values = (staged[:, i].transpose(0, 1).reshape(geo.num_layers, -1, geo.kv_heads, geo.head_dim)
+                        for i in (0, 1))
+        if self.rerope:
+            rotate_layer_keys_(keys, deltas, self.rope)
+        keys, values = keys.to(geo.dtype), values.to(geo.dtype)  # fp8 pools: float32, rounded once here
+        for idx, targets in self.layers.items():
+            for layer, kv_cache in targets:
+                layer.impl.write_kv(layer, keys[idx], values[idx], kv_cache, mapping)
 
 
 class DeviceRestores:
