@@ -279,6 +279,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
     sekv = [r for r in rows if r["engine"] in ("sekv", "sekv-resident")]
     sekv_sync = next((r for r in rows if r["engine"] == "sekv-sync" and "decode" in r), None)
     meta = meta or H.meta(H.command(__file__))
+    by_run = len({r.get("commit") for r in sekv}) > 1  # merged runs: each row names its commit
     modes = ", ".join(f"{r['engine']} {r['cudagraph_mode']}" for r in {r["engine"]: r for r in rows}.values()
                       if r.get("cudagraph_mode"))
     graphs = f"CUDA graphs (vLLM default; {modes})" if modes else "CUDA graphs (vLLM default)"
@@ -294,8 +295,8 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         "",
         "| engine | session tokens | grow step (ingest) | TTFT per step | steps (blocks placed / restored) | "
         "restored blocks (last step) | of them placed from the resident pool | GPU memory allocated | "
-        "vs plain warm TTFT |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "vs plain warm TTFT |" + (" run |" if by_run else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if by_run else ""),
     ]
     for r in sekv:
         for kind, steps, ttft in (("", r["steps"], r["ttft_s"]),
@@ -306,7 +307,8 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
             vs = f"{ttft / plain['warm_ttft_s']:.1f}x" if plain else "—"
             each = ", ".join(f"{s['ttft_s']:.3f} ({placed_share(s)})" for s in steps)
             lines.append(f"| {r['engine']}{kind} | {r['session_tokens'] // 1024}K | {r['grow_s']:.1f} s | {ttft:.3f} s | "
-                         f"{each} | {moved + placed} | {placed} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |")
+                         f"{each} | {moved + placed} | {placed} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |"
+                         + (f" {r.get('commit') or '?'} |" if by_run else ""))
     if plain:
         lines += ["", f"Plain vLLM, {plain['context_tokens'] // 1024}K context: cold TTFT {plain['cold_ttft_s']:.3f} s, "
                   f"warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
@@ -440,6 +442,8 @@ def main() -> None:
         runs = [json.loads(Path(p).read_text()) for p in args.merge]
         for run in runs:  # a run written before the header existed: its command only
             run.setdefault("meta", {"commands": run["command"].split(" && ")})
+            for row in run["rows"]:  # the commit each row was measured at (a merged report's own rows keep theirs)
+                row.setdefault("commit", run["meta"].get("commit"))
         report([r for run in runs for r in run["rows"]], args, Path(args.out), merged_meta(runs, H.command(__file__)))
         return
     if args.engine_spec:
