@@ -14,7 +14,8 @@ and `final_pass_at_s_median`, `later_questions` beside them);
 question, method): where several files hold it, the last file's line counts
 (a rerun of the same session is not a new sample). Run headers (`<trials>.meta.json`, written by
 run.py: machine, commit, command) make the Markdown's header, with this
-command last.
+command last. `accuracy.png` plots accuracy against history length for the
+headline methods (`PLOTTED`), one panel per family and one pooled.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report_header as H  # noqa: E402
 
 ORDER = ("full", "sliding", "rag", "oracle", "views", "meank", "sekv")
+# The plot's methods: the baselines, the views by default, re-ranked (restored and recomputed in
+# order), KVMEM's Mean-K and SeKV; every cell of every method is in report.md and summary.json.
+PLOTTED = ("full", "sliding", "rag", "oracle", "views", "views-rerank", "views-rerank-rcall-ord", "meank", "sekv")
 
 
 def read_trials(paths) -> dict[tuple, dict]:
@@ -137,6 +141,7 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    rows = [r for r in rows if r["method"] in PLOTTED]
     tasks = sorted({r["task"] for r in rows}, key=lambda t: (t == "all", t))
     label = lambda r: r["method"] + (f" {r['view_tokens']}" if r["view_tokens"] else "")  # noqa: E731
     labels = sorted({label(r) for r in rows}, key=lambda x: _method_key(x.replace(" ", ":")))
