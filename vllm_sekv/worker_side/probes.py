@@ -18,8 +18,9 @@ in their re-ranked order.
 
 With a SeKV zoom router (config `router_path`) the router scores instead: the
 probe's pre-RoPE queries are kept layer by layer and, at the end, scored
-where the index lives against the candidates' surprisal-weighted mean keys; the report is
-two rows, the router's relevance and each candidate's restore rank.
+where the index lives against the candidates' surprisal-weighted mean keys;
+the report is two rows, the router's relevance and each candidate's restore
+rank.
 
 Runs in the worker process, on the forward thread: `begin` at a step's first
 layer, `observe` before each layer's attention, `take_done` after the forward.
