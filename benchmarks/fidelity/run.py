@@ -346,6 +346,30 @@ def server_model(args) -> str:
     return args.model
 
 
+def warn_host_bytes(args, workspaces: list[str]) -> None:
+    """Say so when a sekv server's host tier is too small for its sessions
+    (`workspaces`: the server of each method and budget it serves). It holds
+    one session of each at once, and beside them the blocks that earlier
+    questions restored: those were recalled, and the segmented LRU keeps them
+    ahead of a session not recalled yet (up to `protected_percent` of the
+    tier). Below twice the sessions' bytes, later questions found their
+    history's unselected blocks evicted and ingested it again (fidelity
+    items 7 and 20), and their times measured that."""
+    from vllm_sekv.config import parse_size_bytes
+
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_session = (max(args.lengths) + 4096) * 2 * config["num_hidden_layers"] * heads * head_dim * 2
+    have = parse_size_bytes("host_bytes", args.host_bytes)
+    for server in sorted(set(workspaces)):
+        need = 2 * workspaces.count(server) * per_session
+        if need > have:
+            print(f"[servers] warning: {server} serves {workspaces.count(server)} session(s) at once of up to "
+                  f"{per_session / 2**30:.1f} GiB; with --host-bytes {args.host_bytes} (less than twice that, "
+                  f"{need / 2**30:.0f} GiB) later questions will ingest their history again", flush=True)
+
+
 def sekv_memory_utilization(args, max_model_len: int) -> float:
     """A sekv server's share of the device: the weights, 3 GiB of work space
     and a KV cache of `max_model_len` tokens (vLLM refuses to start with less,
@@ -451,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, budget in methods:
         if server_of(name) in SEKV_CONFIGS and server_of(name) in serving:
             configs.setdefault(server_of(name), []).append(budget)
+    warn_host_bytes(args, [server_of(name) for name, _ in methods if server_of(name) in configs])
     servers = Servers(args, configs, [n for n in prompts.TEXT_METHODS if f"plain-{n}" in serving], window)
     cache: dict[tuple, S.Session] = {}
     cache_lock = threading.Lock()
