@@ -346,6 +346,14 @@ def server_model(args) -> str:
     return args.model
 
 
+def kv_bytes_per_token(model: str) -> int:
+    """K and V of one token, every layer, in 16-bit: from the model's config.json."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * heads * head_dim * 2
+
+
 def warn_host_bytes(args, workspaces: list[str]) -> None:
     """Say so when a sekv server's host tier is too small for its sessions
     (`workspaces`: the server of each method and budget it serves). It holds
@@ -357,10 +365,7 @@ def warn_host_bytes(args, workspaces: list[str]) -> None:
     items 7 and 20), and their times measured that."""
     from vllm_sekv.config import parse_size_bytes
 
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_session = (max(args.lengths) + 4096) * 2 * config["num_hidden_layers"] * heads * head_dim * 2
+    per_session = (max(args.lengths) + 4096) * kv_bytes_per_token(args.model)
     have = parse_size_bytes("host_bytes", args.host_bytes)
     for server in sorted(set(workspaces)):
         need = 2 * workspaces.count(server) * per_session
@@ -378,10 +383,7 @@ def sekv_memory_utilization(args, max_model_len: int) -> float:
 
     if not torch.cuda.is_available():
         return args.gpu_memory_utilization
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_bytes = max_model_len * 2 * config["num_hidden_layers"] * heads * head_dim * 2
+    kv_bytes = max_model_len * kv_bytes_per_token(args.model)
     weights = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
     total = torch.cuda.get_device_properties(0).total_memory
     return round(min(0.9, (weights + kv_bytes * 1.15 + (3 << 30)) / total), 3)

@@ -72,6 +72,9 @@ class ViewJob:
     # lossily restored blocks (virtual block -> rank, pieces); None for other passes.
     coarse_plan: CoarsePlan | None = None
     lowrank: dict[int, LowRankBlock] | None = None
+    # BM25 scores of the probe's candidates against its new tokens (`lexical_weight`,
+    # `lexical_candidates`): computed once per probe, keyed by its tail's start.
+    lexical: tuple[int, np.ndarray] | None = None
 
     def virtual_tokens(self, request: Any) -> JoinedTokens:
         """The full history in virtual order, prompt then generated tokens
@@ -220,10 +223,7 @@ class ViewCoordinator:
         against the new tokens where `lexical_weight` is set."""
         if not self.config.lexical_weight:
             return job.scores
-        start = job.probe.tail_start
-        history = np.asarray(job.prompt[:start], dtype=np.int64)
-        scores = lexical.block_scores(history, job.prompt[start:], job.budget.block_tokens)
-        return lexical.fuse(job.scores, scores[list(job.probe.candidates)], self.config.lexical_weight)
+        return lexical.fuse(job.scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
 
     def _with_lexical_candidates(self, job: ViewJob, view: ViewPass) -> ViewPass:
         """A probe with the `lexical_candidates` candidates that BM25 ranks
@@ -232,11 +232,19 @@ class ViewCoordinator:
         count = self.config.lexical_candidates
         if not count or view.kind is not PassKind.PROBE or not view.candidates:
             return view
-        history = np.asarray(job.prompt[: view.tail_start], dtype=np.int64)
-        scores = lexical.block_scores(history, job.prompt[view.tail_start:], job.budget.block_tokens)
-        scores = scores[list(view.candidates)]
+        scores = self._lexical_scores(job, view)
         best = np.argsort(-scores, kind="stable")[:count]
         return replace(view, rerank_extra=tuple(sorted(best[scores[best] > 0].tolist())))
+
+    @staticmethod
+    def _lexical_scores(job: ViewJob, probe: ViewPass) -> np.ndarray:
+        """BM25 score of each of `probe`'s candidates against its new tokens
+        (`index.lexical.block_scores`), computed once per probe."""
+        if job.lexical is None or job.lexical[0] != probe.tail_start:
+            history = np.asarray(job.prompt[: probe.tail_start], dtype=np.int64)
+            scores = lexical.block_scores(history, job.prompt[probe.tail_start:], job.budget.block_tokens)
+            job.lexical = (probe.tail_start, scores[list(probe.candidates)])
+        return job.lexical[1]
 
     def _block_ranks(self, job: ViewJob, view: ViewPass) -> dict[int, int]:
         """Virtual block -> rank of the view's history blocks that a lossy

@@ -168,6 +168,10 @@ class LayerWriter:
                mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
         if self.rerope:
             key = rotate_keys(key, deltas, self.rope)
+        self._store(idx, key, value, mapping)
+
+    def _store(self, idx: int, key: torch.Tensor, value: torch.Tensor, mapping: torch.Tensor) -> None:
+        """Layer `idx`'s K (rotated already) and V into its caches."""
         # fp8 pools hand float32 K/V (dequantized, rotated in float32): rounded once here
         key, value = key.to(self.geometry.dtype), value.to(self.geometry.dtype)
         for layer, kv_cache in self.layers.get(idx, ()):
@@ -200,10 +204,9 @@ class LayerWriter:
                         for i in (0, 1))
         if self.rerope:
             rotate_layer_keys_(keys, deltas, self.rope)
-        keys, values = keys.to(geo.dtype), values.to(geo.dtype)  # fp8 pools: float32, rounded once here
-        for idx, targets in self.layers.items():
-            for layer, kv_cache in targets:
-                layer.impl.write_kv(layer, keys[idx], values[idx], kv_cache, mapping)
+        keys, values = keys.to(geo.dtype), values.to(geo.dtype)  # fp8 pools: one rounding for every layer
+        for idx in self.layers:
+            self._store(idx, keys[idx], values[idx], mapping)
 
 
 class DeviceRestores:
