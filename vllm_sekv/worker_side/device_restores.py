@@ -171,8 +171,8 @@ class LayerWriter:
         self._store(idx, key, value, mapping)
 
     def _store(self, idx: int, key: torch.Tensor, value: torch.Tensor, mapping: torch.Tensor) -> None:
-        """Layer `idx`'s K (rotated already) and V into its caches."""
-        # fp8 pools hand float32 K/V (dequantized, rotated in float32): rounded once here
+        """Layer `idx`'s K (rotated already) and V into its caches, in the model dtype (fp8 pools'
+        float32 K/V, dequantized and rotated in float32, are rounded once here)."""
         key, value = key.to(self.geometry.dtype), value.to(self.geometry.dtype)
         for layer, kv_cache in self.layers.get(idx, ()):
             layer.impl.write_kv(layer, key, value, kv_cache, mapping)
@@ -196,10 +196,8 @@ class LayerWriter:
         geo = self.geometry
         if scales is not None:
             staged = dequantize(staged, scales, token_dim=3)
-        # Every layer's K and V as [layers, tokens, kv_heads, head_dim] (one
-        # copy each), all layers' keys rotated in one call: per layer only the
-        # cache-update op is left. Launches per batch, not per batch and
-        # layer, are what a restore of placed (resident) blocks waits on.
+        # K and V as [layers, tokens, kv_heads, head_dim] (one copy each), every layer's keys rotated in one
+        # call: per layer only the cache-update op is left (a restore of resident blocks waits on launches).
         keys, values = (staged[:, i].transpose(0, 1).reshape(geo.num_layers, -1, geo.kv_heads, geo.head_dim)
                         for i in (0, 1))
         if self.rerope:
