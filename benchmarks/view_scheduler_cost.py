@@ -41,7 +41,7 @@ args = ap.parse_args()
 cfg = SekvConfig(view_tokens=VIEW)
 catalog = BlockCatalog(N // BT + 64, LRUPolicy())
 planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
-views = ViewCoordinator(cfg, planner, window_tokens=131072, capacity_tokens=200000)
+views = ViewCoordinator(cfg, planner, tenant_of=str, window_tokens=131072, capacity_tokens=200000)
 history = [random.randrange(1000, 128000) for _ in range(N)]
 for b, h in enumerate(extend_block_hashes([], history, BT, "")):
     rec = catalog.reserve(start_token=b * BT)

@@ -20,6 +20,7 @@ def test_valid_parameters_from_each_place():
     assert parse({"session_id": "params"}, {}, "field").session_id == "field"
     assert parse({"recompute_blocks": 64, "recompute_layout": "in_order"}) == \
         RequestParams(recompute_blocks=64, recompute_layout="in_order")
+    assert parse({}, {"probe_hops": 2}) == RequestParams(probe_hops=2)
 
 
 @pytest.mark.parametrize("params, extra, session_id, field", [
@@ -32,6 +33,9 @@ def test_valid_parameters_from_each_place():
     ({"recompute_blocks": -1}, None, None, "kv_transfer_params.recompute_blocks"),
     ({"recompute_blocks": "all"}, None, None, "kv_transfer_params.recompute_blocks"),
     ({}, {"recompute_layout": "sorted"}, None, "vllm_xargs.recompute_layout"),
+    ({"probe_hops": 0}, None, None, "kv_transfer_params.probe_hops"),
+    ({"probe_hops": 4}, None, None, "kv_transfer_params.probe_hops"),
+    ({}, {"probe_hops": "2"}, None, "vllm_xargs.probe_hops"),
     ({"session_id": ""}, None, None, "kv_transfer_params.session_id"),
     ({"session_id": 7}, None, None, "kv_transfer_params.session_id"),
     ({}, None, "s" * (MAX_SESSION_ID_CHARS + 1), "session_id"),

@@ -70,6 +70,7 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 POLICIES = ("slru", "lru")
 RECOMPUTE_LAYOUTS = ("after_recent", "in_order")
+MAX_PROBE_HOPS = 3  # probes per view step (`probe_hops`)
 RESTORE_MODES = ("auto", "layerwise", "batched")
 # Block summaries the views' index can use (`vllm_sekv.index.block_summaries`);
 # those in SURPRISAL_SUMMARIES weight tokens by their surprisal and need
@@ -206,6 +207,15 @@ class SekvConfig:
     # actual keys even where its summary scored low. Unlike `lexical_weight`
     # it adds no lexical score to the ranking: the re-rank's attention decides.
     lexical_candidates: int = 0
+    # Probe hops (1 = one probe): with 2 or more, a view step probes again
+    # with the new tokens computed behind the view the hops so far chose,
+    # so their queries have read that evidence and can find what it points
+    # to (the second paragraph of a two-hop question, the next link of a
+    # chain) where the new tokens alone share nothing with it. The view
+    # interleaves the hops' rankings: each hop's best blocks, in turn.
+    # Costs one more pass per hop (a restore of the view and a prefill of
+    # the new tokens).
+    probe_hops: int = 1
     # Of a view's selected history blocks, the first this many in the order
     # the view chose them (best score first) are computed afresh inside the
     # view instead of restored (0 = restore all). Restored KV carries the
@@ -304,6 +314,8 @@ class SekvConfig:
                 f"{self.sink_tokens + self.recent_tokens}; use 0 (the model's window) or at "
                 f"least {self.sink_tokens + self.recent_tokens + 2 * bt}"
             )
+        if not 1 <= self.probe_hops <= MAX_PROBE_HOPS:
+            raise ValueError(f"sekv config 'probe_hops': expected 1..{MAX_PROBE_HOPS}, got {self.probe_hops}")
         if not _COMBINE_RE.match(self.index_combine):
             raise ValueError(
                 f"sekv config 'index_combine': expected mean, max or top<m> (e.g. top8), "

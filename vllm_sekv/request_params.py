@@ -2,9 +2,10 @@
 
 Clients name a session and may ask for their own view budget, turn SeKV
 coarse attention off, or choose how many selected blocks a view recomputes
-(`recompute_blocks`, `recompute_layout`: the config keys of the same names)
-for one request, in `kv_transfer_params` (or `vllm_xargs`, vLLM's
-`extra_args`), and on vLLM 0.32 in its own `session_id` field:
+(`recompute_blocks`, `recompute_layout`) and how many probes select them
+(`probe_hops`) for one request (the config keys of the same names), in
+`kv_transfer_params` (or `vllm_xargs`, vLLM's `extra_args`), and on vLLM
+0.32 in its own `session_id` field:
 
     {"kv_transfer_params": {"session_id": "agent-7", "view_tokens": 4096, "coarse": false}}
     {"kv_transfer_params": {"session_id": "agent-7", "recompute_blocks": 64}}
@@ -22,9 +23,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from vllm_sekv.config import RECOMPUTE_LAYOUTS, SekvConfig
+from vllm_sekv.config import MAX_PROBE_HOPS, RECOMPUTE_LAYOUTS, SekvConfig
 
-KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout")
+KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops")
 MAX_SESSION_ID_CHARS = 256
 
 logger = logging.getLogger("vllm_sekv")
@@ -65,6 +66,7 @@ class RequestParams:
     coarse: bool | None = None  # None: the server's setting
     recompute_blocks: int | None = None  # None: the server's setting
     recompute_layout: str | None = None  # None: the server's setting
+    probe_hops: int | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -112,7 +114,10 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     layout_field, layout = given("recompute_layout")
     if layout is not None and layout not in RECOMPUTE_LAYOUTS:
         raise RequestParamError(f"{layout_field}: expected one of {', '.join(RECOMPUTE_LAYOUTS)}, got {layout!r:.80}")
-    return RequestParams(sid, view, coarse, recompute, layout)
+    hops_field, hops = given("probe_hops")
+    if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_PROBE_HOPS):
+        raise RequestParamError(f"{hops_field}: expected an integer from 1 to {MAX_PROBE_HOPS}, got {hops!r:.80}")
+    return RequestParams(sid, view, coarse, recompute, layout, hops)
 
 
 def of_request(request: Any) -> "RequestParams":

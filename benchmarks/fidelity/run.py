@@ -88,6 +88,10 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-lex-rcall-ord": ("views-rerank-lex", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     "views-rerank-lexc-rcall-ord": ("views-rerank-lexc", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     "views-rerankall-rcall-ord": ("views-rerankall", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
+    "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
+    "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,
+                                                     "recompute_layout": "in_order"}),
     # each selected block with its neighbours (a fact cut by a block boundary stays whole), the best recomputed
     "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16, "recompute_layout": "after_recent"}),
     "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64, "recompute_layout": "after_recent"}),

@@ -31,7 +31,7 @@ def probed_job(views: ViewCoordinator, rows: np.ndarray) -> ViewJob:
     job.current = first_pass(len(prompt), 30, BUDGET)
     views.jobs[job.req_id] = job
     views.set_scores(job.req_id, rows)
-    job.probe = job.current
+    job.probe, job.hop_scores = job.current, [job.scores]
     return job
 
 

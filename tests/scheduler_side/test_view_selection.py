@@ -25,7 +25,7 @@ def probed(lexical_weight: float) -> tuple[ViewCoordinator, ViewJob]:
     job.current = first_pass(len(prompt), 60, BUDGET)
     views.jobs[job.req_id] = job
     views.set_scores(job.req_id, np.linspace(0, 1, len(job.current.candidates), dtype=np.float32)[None])
-    job.probe = job.current
+    job.probe, job.hop_scores = job.current, [job.scores]
     return views, job
 
 

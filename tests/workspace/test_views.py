@@ -1,9 +1,13 @@
 """Execution-view passes: the pure layout logic, and the planner driving them."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from test_planner import BT, PAGED, Engine, prefill_and_finish
-from vllm_sekv.workspace.view_passes import PassKind, ViewBudget, final_pass, first_pass
+from vllm_sekv.workspace.view_passes import (
+    PassKind, ViewBudget, final_pass, first_pass, hop_probe, interleave_hops,
+)
 
 BUDGET = ViewBudget(block_tokens=8, view_tokens=96, sink_tokens=8, recent_tokens=16)  # 12 blocks
 
@@ -62,6 +66,32 @@ def test_long_history_probes_then_selects_in_original_order():
     assert list(final.history_blocks) == sorted(final.history_blocks)
     assert final.token_ids(prompt)[-3:] == prompt[-3:] and final.num_tokens == 91
     assert final.tail_offset == 200 - 88
+
+
+def test_a_hop_probe_runs_the_same_new_tokens_behind_the_view_the_scores_choose():
+    prompt = list(range(1000, 1000 + 203))
+    probe = first_pass(len(prompt), matched_blocks=25, budget=BUDGET)
+    probe = replace(probe, rerank_extra=(4,))
+    scores = [0.0] * len(probe.candidates)
+    for block, score in ((5, 3.0), (17, 2.0), (2, 1.0), (9, 1.0)):
+        scores[block - 1] = score
+    hop = hop_probe(probe, scores, BUDGET)
+    assert hop.kind is PassKind.PROBE and not hop.samples
+    assert hop.history_blocks == final_pass(probe, scores, BUDGET).history_blocks
+    assert hop.candidates == probe.candidates and hop.rerank_extra == (4,)  # the same blocks score again
+    assert (hop.tail_start, hop.tail_tokens) == (probe.tail_start, probe.tail_tokens)
+    assert hop.token_ids(prompt)[-4:-1] == prompt[200:203] and hop.num_tokens == 92  # + the sentinel
+    assert not hop.recomputed and not hop.anchors
+
+
+def test_interleaved_hops_take_each_hops_best_blocks_in_turn():
+    first = np.array([9.0, 8.0, 7.0, 6.0, 0.0, 0.0])  # blocks 0, 1, 2, 3 best, in that order
+    second = np.array([5.0, 0.0, 0.0, 0.0, 7.0, 6.0])  # 4, 5, then 0 (which the first hop has)
+    order = np.argsort(-interleave_hops([first, second]), kind="stable").tolist()
+    assert order == [0, 4, 1, 5, 2, 3]
+    assert interleave_hops([first]) is first
+    ties = interleave_hops([np.zeros(3), np.array([0.0, 1.0, 0.0])])  # ties go to the later block
+    assert np.argsort(-ties, kind="stable").tolist() == [2, 1, 0]
 
 
 def test_a_long_new_part_is_ingested_down_to_a_quarter_of_the_room():

@@ -36,7 +36,7 @@ from vllm_sekv.workspace.segments import Segments, segment
 from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
 from vllm_sekv.workspace.view_passes import (
-    PassKind, ViewBudget, ViewPass, final_pass, first_pass, truncated_pass,
+    PassKind, ViewBudget, ViewPass, final_pass, first_pass, hop_probe, interleave_hops, truncated_pass,
 )
 
 logger = logging.getLogger("vllm_sekv")
@@ -50,8 +50,10 @@ class ViewJob:
     session_id: str | None
     budget: ViewBudget
     current: ViewPass | None = None  # None: chosen at the next `next_pass`
-    probe: ViewPass | None = None
-    scores: np.ndarray | None = None  # combined relevance of probe.candidates
+    probe: ViewPass | None = None  # the last probe run (every hop scores the same candidates)
+    scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
+    hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
+    probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
     # The zoom router's rank for each of probe.candidates (restore_codec
     # "router"; <= 0: exact); None without a router's report.
     ranks: np.ndarray | None = None
@@ -145,6 +147,7 @@ class ViewCoordinator:
         job.recompute_blocks = self.config.recompute_blocks if params.recompute_blocks is None \
             else params.recompute_blocks
         job.recompute_in_order = (params.recompute_layout or self.config.recompute_layout) == "in_order"
+        job.probe_hops = params.probe_hops or self.config.probe_hops
         if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
             logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
                            "restores them", job.req_id)
@@ -166,7 +169,9 @@ class ViewCoordinator:
         it; the tokens vLLM restores, or None while NVMe reads run."""
         job = self.jobs[request.request_id]
         if job.current is None:
-            if job.probe is not None:
+            if job.probe is not None and len(job.hop_scores) < job.probe_hops:
+                view = hop_probe(job.probe, self._selection_scores(job), job.budget, self.config.view_context_blocks)
+            elif job.probe is not None:
                 view = self._final_pass(job)
             else:
                 matched = self.planner.match_history(job.req_id, job.prompt, job.tenant,
@@ -208,7 +213,7 @@ class ViewCoordinator:
         segments = segment(surprisal, cfg.anchor_alpha) if surprisal is not None and len(surprisal) else None
         anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
-        view = final_pass(job.probe, self._selection_scores(job).tolist(), budget, cfg.view_context_blocks, anchors,
+        view = final_pass(job.probe, self._selection_scores(job), budget, cfg.view_context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
                           job.recompute_in_order)
         if coarse_room:
@@ -219,11 +224,13 @@ class ViewCoordinator:
         return view
 
     def _selection_scores(self, job: ViewJob) -> np.ndarray:
-        """The probe's candidate scores, fused with their lexical scores
-        against the new tokens where `lexical_weight` is set."""
+        """The finished probes' candidate scores (their hops interleaved),
+        fused with the candidates' lexical scores against the new tokens
+        where `lexical_weight` is set."""
+        scores = interleave_hops(job.hop_scores)
         if not self.config.lexical_weight:
-            return job.scores
-        return lexical.fuse(job.scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
+            return scores
+        return lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
 
     def _with_lexical_candidates(self, job: ViewJob, view: ViewPass) -> ViewPass:
         """A probe with the `lexical_candidates` candidates that BM25 ranks
@@ -316,6 +323,8 @@ class ViewCoordinator:
         job.timeline[-1][2] = job.seconds()
         if job.current.kind is PassKind.PROBE:
             job.probe = job.current
+            job.hop_scores.append(job.scores)
+            job.scores = None
         job.current = None
         # vLLM looks the request up in its prefix cache before asking for its
         # next pass: the finished pass's blocks (cached under its salt) must not match.

@@ -25,6 +25,9 @@ Passes, in order:
   history (a sliding window), save it, match again.
 * `PROBE`: compute the new tokens behind sink + recent history; their queries
   score the candidate blocks (every other history block).
+* `PROBE` again, `probe_hops` - 1 times: the new tokens computed behind
+  the view the probes so far chose (`hop_probe`), so their queries have
+  read that evidence and can find what it points to; the same candidates.
 * `FINAL`: sink + the highest-scoring candidates (original order) + recent +
   the new tokens; this pass samples, and its new and generated tokens are
   saved at their virtual positions. SeKV anchors (high-surprisal tokens) of
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -186,6 +189,32 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
     room = budget.view_tokens - len(sink) * bt
     tail_start = max(len(sink) * bt, -(-(num_prompt_tokens - room) // bt) * bt)
     return ViewPass(PassKind.FINAL, bt, tuple(sink), tail_start, num_prompt_tokens - tail_start)
+
+
+def hop_probe(probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0) -> ViewPass:
+    """The next probe after `probe`: its new tokens and candidates behind
+    the view `scores` choose (`final_pass`'s blocks, every one restored)."""
+    view = final_pass(probe, scores, budget, context_blocks)
+    return replace(view, kind=PassKind.PROBE, candidates=probe.candidates, rerank_extra=probe.rerank_extra)
+
+
+def interleave_hops(hops: Sequence[np.ndarray]) -> np.ndarray:
+    """One score per candidate from each probe hop's scores (`hops[h][i]`
+    rates candidate `i`): ranking by it takes the hops' best blocks in turn
+    (hop 0's best, hop 1's best, hop 0's second, ...; a block at its best
+    place over the hops). Ties within a hop go to the later block, as in
+    `final_pass`. One hop: its own scores."""
+    if len(hops) == 1:
+        return np.asarray(hops[0])
+    n = len(hops[0])
+    later = -np.arange(n)
+    place = np.full(n, np.inf)
+    for h, scores in enumerate(hops):
+        ranked = np.lexsort((later, -np.asarray(scores, dtype=np.float64)))  # best first
+        rank = np.empty(n)
+        rank[ranked] = np.arange(n)
+        place = np.minimum(place, rank * len(hops) + h)
+    return -place
 
 
 def final_pass(

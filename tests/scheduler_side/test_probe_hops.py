@@ -1,0 +1,86 @@
+"""Probe hops (`probe_hops`): a view coordinator probes again behind the view
+its first probe chose, then builds the final view from both probes' rankings,
+on a real planner and vLLM request (no model: the worker's reports are given)."""
+import numpy as np
+import pytest
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+from vllm_sekv.config import SekvConfig
+from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator
+from vllm_sekv.store import LRUPolicy
+from vllm_sekv.workspace.catalog import BlockCatalog
+from vllm_sekv.workspace.hashing import extend_block_hashes
+from vllm_sekv.workspace.planner import WorkspacePlanner
+from vllm_sekv.workspace.sessions import SessionTable
+from vllm_sekv.workspace.view_passes import PassKind
+
+BT, HISTORY_BLOCKS = 16, 60
+SEKV = dict(block_tokens=BT, view_tokens=12 * BT, sink_tokens=BT, recent_tokens=2 * BT)
+
+
+def coordinator(**sekv) -> tuple[ViewCoordinator, list[int]]:
+    """A coordinator whose workspace holds a 60-block history, and a prompt of
+    that history and 4 new tokens."""
+    catalog = BlockCatalog(HISTORY_BLOCKS + 8, LRUPolicy())
+    planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
+    views = ViewCoordinator(SekvConfig(**SEKV, **sekv), planner, tenant_of=str, window_tokens=4096,
+                            capacity_tokens=4096)
+    history = (np.arange(HISTORY_BLOCKS * BT) % 97 + 1000).tolist()
+    for b, h in enumerate(extend_block_hashes([], history, BT, "")):
+        catalog.commit(catalog.reserve(start_token=b * BT), h)
+    return views, history + [7, 8, 9, 10]
+
+
+def run_pass(views: ViewCoordinator, request: Request, prompt: list[int], scores: np.ndarray | None) -> None:
+    """The engine's part of a non-sampling pass: computed, reported, taken out."""
+    views.planner.set_paged_blocks(request.request_id, list(range(request.num_tokens // 16 + 2)), replace=True)
+    if scores is not None:
+        views.set_scores(request.request_id, scores[None].astype(np.float32))
+    views.pass_done(request, lambda rid: prompt)
+
+
+def step(views: ViewCoordinator, prompt: list[int], hop_scores: list[np.ndarray], **params) -> list:
+    """One view step whose probes report `hop_scores` in turn; the passes run."""
+    request = Request("r", prompt, SamplingParams(max_tokens=1, extra_args=params), None, block_hasher=None)
+    assert views.admit(request)
+    job, passes = views.jobs["r"], []
+    for scores in [*hop_scores, None]:
+        views.next_pass(request)
+        passes.append(job.current)
+        if job.current.samples:
+            break
+        run_pass(views, request, prompt, scores if job.current.kind is PassKind.PROBE else None)
+    return passes
+
+
+def test_a_second_hop_probes_behind_the_first_hops_view_and_the_view_takes_both_hops_best():
+    views, prompt = coordinator(probe_hops=2)
+    first = np.zeros(57)
+    first[[10, 11, 12]] = [3.0, 2.0, 1.0]  # candidates are blocks 1..57: blocks 11, 12, 13
+    second = np.zeros(57)
+    second[[40, 41, 10]] = [3.0, 2.0, 1.0]  # blocks 41, 42, and 11 again
+    probe, hop, final = step(views, prompt, [first, second])
+    assert probe.kind is hop.kind is PassKind.PROBE and final.kind is PassKind.FINAL
+    assert probe.history_blocks == (0, 58, 59)  # sink + recent
+    assert {11, 12, 13} < set(hop.history_blocks) and hop.candidates == probe.candidates
+    assert (hop.tail_start, hop.tail_tokens) == (probe.tail_start, probe.tail_tokens)
+    # room for 8 chosen blocks: 11, 41, 12, 42, 13 in turn, then the latest of the rest
+    chosen = set(final.history_blocks) - {0, 58, 59}
+    assert len(chosen) == 8 and {11, 12, 13, 41, 42} < chosen
+
+
+def test_a_request_asks_for_its_own_hops():
+    views, prompt = coordinator()
+    scores = np.linspace(0, 1, 57)
+    kinds = [p.kind for p in step(views, prompt, [scores, scores], probe_hops=2)]
+    assert kinds == [PassKind.PROBE, PassKind.PROBE, PassKind.FINAL]
+    views.jobs.clear()
+    kinds = [p.kind for p in step(views, prompt, [scores])]
+    assert kinds == [PassKind.PROBE, PassKind.FINAL]
+
+
+@pytest.mark.parametrize("hops", [0, 4])
+def test_probe_hops_outside_1_to_3_are_refused_naming_the_key(hops):
+    with pytest.raises(ValueError, match="'probe_hops'"):
+        SekvConfig(probe_hops=hops)
