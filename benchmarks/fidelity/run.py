@@ -359,24 +359,22 @@ def kv_bytes_per_token(model: str) -> int:
 
 
 def warn_host_bytes(args, workspaces: list[str]) -> None:
-    """Say so when a sekv server's host tier is too small for its sessions
-    (`workspaces`: the server of each method and budget it serves). It holds
-    one session of each at once, and beside them the blocks that earlier
-    questions restored: those were recalled, and the segmented LRU keeps them
-    ahead of a session not recalled yet (up to `protected_percent` of the
-    tier). Below twice the sessions' bytes, later questions found their
-    history's unselected blocks evicted and ingested it again (fidelity
-    items 7 and 20), and their times measured that."""
+    """Say so when a sekv server's host tier cannot hold the sessions it
+    serves at once (`workspaces`: the server of each method and budget it
+    serves; one session of each at a time): a later question would find its
+    history's blocks evicted and ingest it again, and its time would measure
+    that. Idle sessions' blocks go first (a view step uses its session's
+    whole history, `WorkspacePlanner.begin_view_pass`)."""
     from vllm_sekv.config import parse_size_bytes
 
     per_session = (max(args.lengths) + 4096) * kv_bytes_per_token(args.model)
     have = parse_size_bytes("host_bytes", args.host_bytes)
     for server in sorted(set(workspaces)):
-        need = 2 * workspaces.count(server) * per_session
+        need = workspaces.count(server) * per_session
         if need > have:
             print(f"[servers] warning: {server} serves {workspaces.count(server)} session(s) at once of up to "
-                  f"{per_session / 2**30:.1f} GiB; with --host-bytes {args.host_bytes} (less than twice that, "
-                  f"{need / 2**30:.0f} GiB) later questions will ingest their history again", flush=True)
+                  f"{per_session / 2**30:.1f} GiB; --host-bytes {args.host_bytes} holds less ({need / 2**30:.0f} "
+                  f"GiB needed): later questions will ingest their history again", flush=True)
 
 
 def sekv_memory_utilization(args, max_model_len: int) -> float:
