@@ -1,0 +1,38 @@
+"""The fidelity harness's methods (benchmarks/fidelity/run.py) name valid
+server configurations and request parameters, so that a run on the GPU
+machine never starts a server only to have it refuse its configuration."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+FIDELITY = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity"
+
+
+@pytest.fixture(scope="module")
+def run():
+    sys.path[:0] = [str(FIDELITY), str(FIDELITY.parent)]
+    try:
+        import run as module
+    finally:
+        del sys.path[:2]
+    return module
+
+
+def test_every_server_configuration_is_valid(run):
+    from vllm_sekv.config import SekvConfig
+
+    for name, extra in run.SEKV_CONFIGS.items():
+        SekvConfig(**extra)  # raises naming the key
+
+
+def test_every_request_method_runs_on_a_known_server_with_valid_parameters(run):
+    from vllm_sekv.config import SekvConfig
+    from vllm_sekv import request_params
+
+    for name, (server, params) in run.REQUEST_METHODS.items():
+        assert server in run.SEKV_CONFIGS, name
+        config = SekvConfig(**run.SEKV_CONFIGS[server])
+        request_params.check(config, 32768, params, None, None)  # raises naming the field
