@@ -272,12 +272,9 @@ class WorkspacePlanner:
         (the pass's history part). `coarse`: the SeKV summaries that stand in
         for the history the view leaves out; `lowrank`: history blocks (virtual
         block index) restored from low-rank factors, with their rank and pieces.
-
-        The sampling pass counts as a use of the whole history it matched, not
-        only of the blocks it restores: the step's probes scored all of it,
-        and its next step needs all of it again. So recency is a session's:
-        an active session's unselected history is never evicted ahead of an
-        idle session's blocks."""
+        The sampling pass uses the whole history it matched (its probes scored
+        all of it): recency is a session's, so an active session's unselected
+        history is never evicted ahead of an idle session's blocks."""
         st = self.requests[req_id]
         positions = np.asarray(view.history_positions(), dtype=np.int64)
         if len(positions) and positions.max() >= len(st.matched) * self.block_tokens:
