@@ -21,6 +21,7 @@ def test_valid_parameters_from_each_place():
     assert parse({"recompute_blocks": 64, "recompute_layout": "in_order"}) == \
         RequestParams(recompute_blocks=64, recompute_layout="in_order")
     assert parse({}, {"probe_hops": 2}) == RequestParams(probe_hops=2)
+    assert parse({"view_context_blocks": 0}) == RequestParams(view_context_blocks=0)
 
 
 @pytest.mark.parametrize("params, extra, session_id, field", [
@@ -36,6 +37,8 @@ def test_valid_parameters_from_each_place():
     ({"probe_hops": 0}, None, None, "kv_transfer_params.probe_hops"),
     ({"probe_hops": 4}, None, None, "kv_transfer_params.probe_hops"),
     ({}, {"probe_hops": "2"}, None, "vllm_xargs.probe_hops"),
+    ({"view_context_blocks": -1}, None, None, "kv_transfer_params.view_context_blocks"),
+    ({"view_context_blocks": 10**9}, None, None, "kv_transfer_params.view_context_blocks"),
     ({"session_id": ""}, None, None, "kv_transfer_params.session_id"),
     ({"session_id": 7}, None, None, "kv_transfer_params.session_id"),
     ({}, None, "s" * (MAX_SESSION_ID_CHARS + 1), "session_id"),

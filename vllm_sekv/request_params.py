@@ -2,8 +2,9 @@
 
 Clients name a session and may ask for their own view budget, turn SeKV
 coarse attention off, or choose how many selected blocks a view recomputes
-(`recompute_blocks`, `recompute_layout`) and how many probes select them
-(`probe_hops`) for one request (the config keys of the same names), in
+(`recompute_blocks`, `recompute_layout`), how many probes select them
+(`probe_hops`) and how many neighbours each brings (`view_context_blocks`)
+for one request (the config keys of the same names), in
 `kv_transfer_params` (or `vllm_xargs`, vLLM's `extra_args`), and on vLLM
 0.32 in its own `session_id` field:
 
@@ -25,8 +26,10 @@ from typing import Any, Mapping
 
 from vllm_sekv.config import MAX_PROBE_HOPS, RECOMPUTE_LAYOUTS, SekvConfig
 
-KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops")
+KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops",
+        "view_context_blocks")
 MAX_SESSION_ID_CHARS = 256
+MAX_VIEW_CONTEXT_BLOCKS = 16
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -67,6 +70,7 @@ class RequestParams:
     recompute_blocks: int | None = None  # None: the server's setting
     recompute_layout: str | None = None  # None: the server's setting
     probe_hops: int | None = None  # None: the server's setting
+    view_context_blocks: int | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -117,7 +121,12 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     hops_field, hops = given("probe_hops")
     if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_PROBE_HOPS):
         raise RequestParamError(f"{hops_field}: expected an integer from 1 to {MAX_PROBE_HOPS}, got {hops!r:.80}")
-    return RequestParams(sid, view, coarse, recompute, layout, hops)
+    context_field, context = given("view_context_blocks")
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int)
+                                or not 0 <= context <= MAX_VIEW_CONTEXT_BLOCKS):
+        raise RequestParamError(f"{context_field}: expected an integer from 0 to {MAX_VIEW_CONTEXT_BLOCKS}, "
+                                f"got {context!r:.80}")
+    return RequestParams(sid, view, coarse, recompute, layout, hops, context)
 
 
 def of_request(request: Any) -> "RequestParams":

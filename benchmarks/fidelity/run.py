@@ -57,8 +57,6 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank": {"rerank_blocks": 1024},
     "views-q16": {"probe_query_tokens": 16},
     "views-rerank-ctx1": {"rerank_blocks": 1024, "view_context_blocks": 1},
-    # two neighbours on each side: a selected block brings about a paragraph (5 blocks, 160 tokens)
-    "views-rerank-ctx2": {"rerank_blocks": 1024, "view_context_blocks": 2},
     "views-rerank-lex": {"rerank_blocks": 1024, "lexical_weight": 1.0},
     # BM25's best 256 blocks re-ranked beside the index's best 1024 (the re-rank alone ranks)
     "views-rerank-lexc": {"rerank_blocks": 1024, "lexical_candidates": 256},
@@ -98,9 +96,12 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-ctx1-rc16": ("views-rerank-ctx1", {"recompute_blocks": 16, "recompute_layout": "after_recent"}),
     "views-rerank-ctx1-rc64": ("views-rerank-ctx1", {"recompute_blocks": 64, "recompute_layout": "after_recent"}),
     "views-rerank-ctx1-rcall-ord": ("views-rerank-ctx1", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
-    "views-rerank-ctx2-rcall-ord": ("views-rerank-ctx2", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
-    "views-rerank-ctx2-hop2-rcall-ord": ("views-rerank-ctx2", {"probe_hops": 2, "recompute_blocks": 100000,
-                                                               "recompute_layout": "in_order"}),
+    # two neighbours on each side: a selected block brings about a paragraph (5 blocks, 160 tokens)
+    "views-rerank-ctx2": ("views-rerank", {"view_context_blocks": 2}),
+    "views-rerank-ctx2-rcall-ord": ("views-rerank", {"view_context_blocks": 2, "recompute_blocks": 100000,
+                                                     "recompute_layout": "in_order"}),
+    "views-rerank-ctx2-hop2-rcall-ord": ("views-rerank", {"view_context_blocks": 2, "probe_hops": 2,
+                                                          "recompute_blocks": 100000, "recompute_layout": "in_order"}),
 }
 TTFT = "vllm:time_to_first_token_seconds"
 LINE_TOKENS = 64  # evidence this short must be in a view whole

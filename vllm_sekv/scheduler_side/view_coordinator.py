@@ -54,6 +54,7 @@ class ViewJob:
     scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
+    context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
     # The zoom router's rank for each of probe.candidates (restore_codec
     # "router"; <= 0: exact); None without a router's report.
     ranks: np.ndarray | None = None
@@ -148,6 +149,8 @@ class ViewCoordinator:
             else params.recompute_blocks
         job.recompute_in_order = (params.recompute_layout or self.config.recompute_layout) == "in_order"
         job.probe_hops = params.probe_hops or self.config.probe_hops
+        job.context_blocks = self.config.view_context_blocks if params.view_context_blocks is None \
+            else params.view_context_blocks
         if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
             logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
                            "restores them", job.req_id)
@@ -170,7 +173,7 @@ class ViewCoordinator:
         job = self.jobs[request.request_id]
         if job.current is None:
             if job.probe is not None and len(job.hop_scores) < job.probe_hops:
-                view = hop_probe(job.probe, self._selection_scores(job), job.budget, self.config.view_context_blocks)
+                view = hop_probe(job.probe, self._selection_scores(job), job.budget, job.context_blocks)
             elif job.probe is not None:
                 view = self._final_pass(job)
             else:
@@ -213,7 +216,7 @@ class ViewCoordinator:
         segments = segment(surprisal, cfg.anchor_alpha) if surprisal is not None and len(surprisal) else None
         anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
-        view = final_pass(job.probe, self._selection_scores(job), budget, cfg.view_context_blocks, anchors,
+        view = final_pass(job.probe, self._selection_scores(job), budget, job.context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
                           job.recompute_in_order)
         if coarse_room:

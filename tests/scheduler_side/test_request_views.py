@@ -1,6 +1,8 @@
-"""Probe hops (`probe_hops`): a view coordinator probes again behind the view
-its first probe chose, then builds the final view from both probes' rankings,
-on a real planner and vLLM request (no model: the worker's reports are given)."""
+"""How a view coordinator builds a request's views with probe hops
+(`probe_hops`: it probes again behind the view its first probe chose, then
+builds the final view from both probes' rankings) and with the neighbours a
+request asks for (`view_context_blocks`), on a real planner and vLLM request
+(no model: the worker's reports are given)."""
 import numpy as np
 import pytest
 
@@ -84,3 +86,15 @@ def test_a_request_asks_for_its_own_hops():
 def test_probe_hops_outside_1_to_3_are_refused_naming_the_key(hops):
     with pytest.raises(ValueError, match="'probe_hops'"):
         SekvConfig(probe_hops=hops)
+
+
+def test_a_request_asks_for_its_own_context_blocks():
+    views, prompt = coordinator()
+    scores = np.zeros(57)
+    scores[[10, 30]] = [2.0, 1.0]  # blocks 11 and 31 best
+    final = step(views, prompt, [scores], view_context_blocks=2)[-1]
+    # room for 8: block 11 with two neighbours on each side, then block 31 and those before it
+    assert set(final.history_blocks) - {0, 58, 59} == {9, 10, 11, 12, 13, 29, 30, 31}
+    views.jobs.clear()
+    final = step(views, prompt, [scores])[-1]  # the server's setting: none
+    assert {11, 31} <= set(final.history_blocks) and not {9, 10, 12, 13} & set(final.history_blocks)
