@@ -118,14 +118,15 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     layout_field, layout = given("recompute_layout")
     if layout is not None and layout not in RECOMPUTE_LAYOUTS:
         raise RequestParamError(f"{layout_field}: expected one of {', '.join(RECOMPUTE_LAYOUTS)}, got {layout!r:.80}")
-    hops_field, hops = given("probe_hops")
-    if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_PROBE_HOPS):
-        raise RequestParamError(f"{hops_field}: expected an integer from 1 to {MAX_PROBE_HOPS}, got {hops!r:.80}")
-    context_field, context = given("view_context_blocks")
-    if context is not None and (isinstance(context, bool) or not isinstance(context, int)
-                                or not 0 <= context <= MAX_VIEW_CONTEXT_BLOCKS):
-        raise RequestParamError(f"{context_field}: expected an integer from 0 to {MAX_VIEW_CONTEXT_BLOCKS}, "
-                                f"got {context!r:.80}")
+    def ranged(key: str, least: int, most: int) -> int | None:
+        field, value = given(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not least <= value <= most):
+            raise RequestParamError(f"{field}: expected an integer from {least} to {most}, got {value!r:.80}")
+        return value
+
+    hops = ranged("probe_hops", 1, MAX_PROBE_HOPS)
+    context = ranged("view_context_blocks", 0, MAX_VIEW_CONTEXT_BLOCKS)
     return RequestParams(sid, view, coarse, recompute, layout, hops, context)
 
 
