@@ -1,7 +1,9 @@
 """A fleet of agents at once: concurrent sessions on one device whose KV cache
 cannot hold them all, served by plain vLLM (its prefix cache only), vLLM's
 native `OffloadingConnector` and sekv (`sekv`: the exact workspace, `sekv-fp8`:
-`workspace_codec` fp8), each engine with the same host bytes.
+`workspace_codec` fp8; `sekv-views`, `sekv-fp8-views`: the same, each step
+served from an execution view of at most `--view-tokens`), each engine with
+the same host bytes.
 
     python benchmarks/gpu/fleet_e2e.py --engines plain native sekv --sessions 16 \\
         --first-tokens 16384 --step-tokens 2048 --steps 4 [--out benchmarks/results/fleet/report]
@@ -63,7 +65,7 @@ import report_header as H  # noqa: E402
 from restore_e2e import model_folder  # noqa: E402
 
 TITLE = "A fleet of agents: concurrent sessions on a KV cache too small for them all"
-ENGINES = ("plain", "native", "sekv", "sekv-fp8")
+ENGINES = ("plain", "native", "sekv", "sekv-fp8", "sekv-views", "sekv-fp8-views")
 
 
 def engine_main(spec: dict) -> None:
@@ -81,8 +83,11 @@ def engine_main(spec: dict) -> None:
         kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                         "kv_connector_extra_config": {"cpu_bytes_to_use": spec["host_bytes"]}}
     elif spec["engine"].startswith("sekv"):
-        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both", "kv_connector_extra_config": {
-            "host_bytes": spec["host_bytes"], "workspace_codec": codec_of(spec["engine"])}}
+        extra = {"host_bytes": spec["host_bytes"], "workspace_codec": codec_of(spec["engine"])}
+        if spec["engine"].endswith("-views"):
+            extra["view_tokens"] = spec["view_tokens"]
+        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": extra}
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     samples: list[dict] = []
@@ -294,8 +299,11 @@ def host_time(prefix: str, row: dict) -> dict[str, dict] | None:
 
 
 def codec_of(engine: str) -> str:
-    """The workspace codec of an engine name: `sekv` exact, `sekv-fp8` fp8, `-` for the others."""
-    return {"sekv": "exact", "sekv-fp8": "fp8"}.get(engine, "-")
+    """The workspace codec of an engine name: `sekv` exact, `sekv-fp8` fp8 (with or without `-views`), `-` for
+    the others."""
+    if not engine.startswith("sekv"):
+        return "-"
+    return "fp8" if "-fp8" in engine else "exact"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -342,14 +350,22 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
         f"the device's KV cache holds {args.gpu_cache_tokens}; host bytes per engine: {args.host_bytes}. "
         "Over the steps after each session's first; `cached`: the share of their prompt tokens vLLM did not "
         "compute (its prefix cache or a connector's restore).",
+        *([] if not any(r["engine"].endswith("-views") for r in rows) else [
+            "", f"The `-views` engines serve every step whose prompt is longer than {args.view_tokens} tokens from "
+            f"an execution view of at most that many: the history blocks the step's new tokens score highest, "
+            "restored, so a running request holds at most a view's KV on the device. A view is lossy: which "
+            "history it keeps, and what that costs in answers, is the fidelity evaluation's subject "
+            "(`benchmarks/results/fidelity/`); this benchmark counts time and memory only. vLLM counts a "
+            "view step's cached tokens on its first pass, not on the prompt: their `cached` is left out."]),
         "",
         "| engine | steps/s | generated tokens/s | TTFT p50 | TTFT p99 | cached | device GiB (peak) | host GiB (peak) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gpu = "-" if r["gpu_peak_gib"] is None else f"{r['gpu_peak_gib']:.1f}"
+        cached = "-" if r["engine"].endswith("-views") else f"{r['cached_share']:.2f}"
         lines.append(f"| {r['engine']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} s | "
-                     f"{r['ttft_p99_s']:.3f} s | {r['cached_share']:.2f} | {gpu} | {r['host_peak_gib']:.1f} |")
+                     f"{r['ttft_p99_s']:.3f} s | {cached} | {gpu} | {r['host_peak_gib']:.1f} |")
     lines += ["", "Where the time went, over the same span: the engine's steps (each a forward of the running "
               "batch), their mean length, and how many requests ran and waited per step on average.", "",
               "| engine | engine steps | ms per engine step | running | waiting |", "|---|---|---|---|---|"]
@@ -386,7 +402,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
     if figures:
         lines += ["", "The connectors' own figures over the span (summed over the engine's steps):", "", *figures]
     by = {r["engine"]: r for r in rows}
-    for name in ("sekv", "sekv-fp8"):
+    for name in (e for e in ENGINES if e.startswith("sekv")):
         if name in by and "native" in by:
             s, n = by[name], by["native"]
             lines += ["", f"{name} against native offloading, measured in this run: throughput "
@@ -395,7 +411,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
     out.parent.mkdir(parents=True, exist_ok=True)
     H.write_report(out.with_suffix(".md"), lines)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    summary = [{"engine": r["engine"].split("-")[0],
+    summary = [{"engine": r["engine"].replace("-fp8", ""),
                 **{k: r[k] for k in ("codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s")}}
                for r in rows]
     (out.parent / "summary.json").write_text(json.dumps(
@@ -415,6 +431,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--pause-s", type=float, nargs=2, default=[0.5, 2.0], metavar=("LO", "HI"))
     ap.add_argument("--gpu-cache-tokens", type=int, default=98304)
+    ap.add_argument("--view-tokens", type=int, default=8192,
+                    help="the `-views` engines' view budget: a step whose prompt is longer is served from a view")
     ap.add_argument("--block-size", type=int, default=16, help="vLLM's KV page on this device (CPUs: 128)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--host-bytes", default="64G", help="sekv's host_bytes; native offloading gets as many")
@@ -441,7 +459,7 @@ def main() -> None:
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab_size": vocab,
             "sessions": args.sessions, "first_tokens": args.first_tokens, "step_tokens": args.step_tokens,
             "decode_tokens": args.decode_tokens, "steps": args.steps, "pause_s": args.pause_s,
-            "max_model_len": longest + 64, "gpu_blocks": -(-args.gpu_cache_tokens // args.block_size),
+            "max_model_len": longest + 64, "view_tokens": args.view_tokens, "gpu_blocks": -(-args.gpu_cache_tokens // args.block_size),
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s,
             "start_timeout_s": args.start_timeout_s}

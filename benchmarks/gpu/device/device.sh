@@ -23,11 +23,11 @@
 #                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
 #                   (a 512K session from 64K views, CUDA graphs), report to $OUT/views.*
-#   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py: native, sekv and sekv-fp8 serving concurrent
-#                   sessions (each engine 200 s to start, 120 s to serve; `--engines plain ...`
-#                   adds plain vLLM), with host timers and a device profile of 40 engine steps,
-#                   report and summary to $OUT/fleet.*, $OUT/summary.json; a workload too long
-#                   for one call: one engine per call, `--engines E --run-dir /tmp/fleetrun` in each
+#   fleet [ARGS]    benchmarks/gpu/fleet_e2e.py serving concurrent sessions (each engine 200 s
+#                   to start; ARGS choose engines and workload, e.g. `--engines native sekv-views`,
+#                   `--timers`, `--profile-steps 400 40`), report and summary to $OUT/fleet.*,
+#                   $OUT/summary.json; a workload too long for one call: one engine per call,
+#                   `--engines E --run-dir /tmp/fleetrun` in each
 #
 # Every step writes its log under $OUT and prints how long it took. Reports name
 # the commit from $SEKV_COMMIT (the copy of the tree here has no git history):
@@ -147,8 +147,7 @@ case $step in
       --view-tokens 65536 --steps 2 --decode-tokens 128 --cuda-graphs --timeout-s 280 --out "$OUT/views" "$@"
     log "views done" ;;
   fleet)  # many agents at once: benchmarks/results/fleet/
-    run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --engines native sekv sekv-fp8 --start-timeout-s 200 \
-      --timeout-s 120 --timers --profile-steps 400 40 --out "$OUT/fleet" "$@"
+    run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --start-timeout-s 200 --out "$OUT/fleet" "$@"
     log "fleet done" ;;
   *)
     echo "unknown step $step"; exit 2 ;;
