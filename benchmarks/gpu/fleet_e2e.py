@@ -78,16 +78,8 @@ def engine_main(spec: dict) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    kwargs = {}
-    if spec["engine"] == "native":
-        kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {"cpu_bytes_to_use": spec["host_bytes"]}}
-    elif spec["engine"].startswith("sekv"):
-        extra = {"host_bytes": spec["host_bytes"], "workspace_codec": codec_of(spec["engine"])}
-        if spec["engine"].endswith("-views"):
-            extra["view_tokens"] = spec["view_tokens"]
-        kwargs["kv_transfer_config"] = {"kv_connector": "sekv", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": extra}
+    transfer = kv_transfer_config(spec["engine"], spec["host_bytes"], spec["view_tokens"])
+    kwargs = {"kv_transfer_config": transfer} if transfer else {}
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     samples: list[dict] = []
@@ -298,12 +290,31 @@ def host_time(prefix: str, row: dict) -> dict[str, dict] | None:
             for k, v in sorted(total.items(), key=lambda kv: -kv[1]["ms"])}
 
 
+def kv_transfer_config(engine: str, host_bytes: int, view_tokens: int) -> dict | None:
+    """vLLM's `kv_transfer_config` for an engine name (None: plain vLLM)."""
+    if engine == "native":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes}}
+    if not engine.startswith("sekv"):
+        return None
+    extra = {"host_bytes": host_bytes, "workspace_codec": codec_of(engine)}
+    if engine.endswith("-views"):
+        extra["view_tokens"] = view_tokens
+    return {"kv_connector": "sekv", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
 def codec_of(engine: str) -> str:
     """The workspace codec of an engine name: `sekv` exact, `sekv-fp8` fp8 (with or without `-views`), `-` for
     the others."""
     if not engine.startswith("sekv"):
         return "-"
     return "fp8" if "-fp8" in engine else "exact"
+
+
+def summary_engine(engine: str) -> str:
+    """An engine's name in `summary.json`, whose rows carry the codec apart: `sekv-fp8-views` is `sekv-views`
+    with codec fp8."""
+    return engine.replace("-fp8", "")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -411,7 +422,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, commands: list
     out.parent.mkdir(parents=True, exist_ok=True)
     H.write_report(out.with_suffix(".md"), lines)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    summary = [{"engine": r["engine"].replace("-fp8", ""),
+    summary = [{"engine": summary_engine(r["engine"]),
                 **{k: r[k] for k in ("codec", "sessions", "steps_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s")}}
                for r in rows]
     (out.parent / "summary.json").write_text(json.dumps(

@@ -1,0 +1,40 @@
+"""The fleet benchmark's engines (benchmarks/gpu/fleet_e2e.py) name valid
+connector configurations, so that a run on the GPU machine never starts an
+engine only to have it refuse its configuration."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    sys.path[:0] = [str(GPU_BENCHMARKS), str(GPU_BENCHMARKS.parent)]  # its sibling modules
+    try:
+        import fleet_e2e
+    finally:
+        del sys.path[:2]
+    return fleet_e2e
+
+
+def test_every_sekv_engine_is_a_valid_configuration_with_its_codec_and_views(fleet):
+    from vllm_sekv.config import SekvConfig
+
+    for engine in fleet.ENGINES:
+        transfer = fleet.kv_transfer_config(engine, 8 << 30, 4096)
+        if not engine.startswith("sekv"):
+            assert engine == "plain" and transfer is None or transfer["kv_connector"] == "OffloadingConnector"
+            continue
+        config = SekvConfig(**transfer["kv_connector_extra_config"])  # raises naming the key
+        assert config.workspace_codec == fleet.codec_of(engine) == ("fp8" if "fp8" in engine else "exact")
+        assert config.view_tokens == (4096 if engine.endswith("-views") else 0)
+
+
+def test_the_summary_names_each_engine_by_how_it_serves_and_its_codec_apart(fleet):
+    names = {(fleet.summary_engine(engine), fleet.codec_of(engine)) for engine in fleet.ENGINES}
+    assert len(names) == len(fleet.ENGINES)
+    assert fleet.summary_engine("sekv-fp8-views") == "sekv-views"
