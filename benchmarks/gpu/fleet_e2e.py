@@ -5,8 +5,9 @@ native `OffloadingConnector` and sekv (`sekv`: the exact workspace, `sekv-fp8`:
 served from an execution view of at most `--view-tokens`), each engine with
 the same host bytes.
 
-    python benchmarks/gpu/fleet_e2e.py --engines plain native sekv --sessions 16 \\
-        --first-tokens 16384 --step-tokens 2048 --steps 4 [--out benchmarks/results/fleet/report]
+    python benchmarks/gpu/fleet_e2e.py --engines plain native sekv sekv-views --sessions 16 \\
+        --first-tokens 16384 --step-tokens 2048 --steps 4 [--view-tokens 8192] \\
+        [--out benchmarks/results/fleet/report]
 
 Every session starts from a history of its own (`--first-tokens` random token
 ids) and takes `--steps` steps; a step sends the whole history and
@@ -470,7 +471,8 @@ def main() -> None:
     base = {"model_dir": str(model_dir), "load_format": load_format, "vocab_size": vocab,
             "sessions": args.sessions, "first_tokens": args.first_tokens, "step_tokens": args.step_tokens,
             "decode_tokens": args.decode_tokens, "steps": args.steps, "pause_s": args.pause_s,
-            "max_model_len": longest + 64, "view_tokens": args.view_tokens, "gpu_blocks": -(-args.gpu_cache_tokens // args.block_size),
+            "max_model_len": longest + 64, "view_tokens": args.view_tokens,
+            "gpu_blocks": -(-args.gpu_cache_tokens // args.block_size),
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "host_bytes": parse_size_bytes("host_bytes", args.host_bytes), "timeout_s": args.timeout_s,
             "start_timeout_s": args.start_timeout_s}
