@@ -5,11 +5,14 @@
 One cell per (family, history tokens, method, budget): n trials, correct,
 accuracy with a 95% Wilson interval, the share of trials whose prompt or view
 held the answer, the median time to first token and bytes moved per step,
-and for views the median time from admission to the final pass.
+the median device KV per step (the tokens whose K/V the step held on the
+GPU: the prompt for text methods, the final view for views), and for views
+the median time from admission to the final pass.
 `summary.json` is `{"model", "commit", "rows": [...]}` with one row per
 cell (`task`, `history_tokens`, `method`, `view_tokens`, `n`, `correct`,
 `accuracy`, `ci95`, `answer_in_view`, `ttft_s_median`, `bytes_moved_median`,
-and `final_pass_at_s_median`, `later_questions` beside them);
+and `device_kv_tokens_median`, `final_pass_at_s_median`, `later_questions`
+beside them);
 "all" rows pool the families. A trial is one (family, history tokens, seed,
 question, method): where several files hold it, the last file's line counts
 (a rerun of the same session is not a new sample). Run headers (`<trials>.meta.json`, written by
@@ -77,6 +80,7 @@ def cells(trials: list[dict]) -> list[dict]:
         held = [t["answer_in_view"] for t in ts if t["answer_in_view"] is not None]
         ttft = [t["ttft_s"] for t in ts if t.get("ttft_s") is not None]
         moved = [t.get("bytes_moved") or 0 for t in ts]
+        device = [t.get("view_tokens") or t["prompt_tokens"] for t in ts]
         final_at = [p[1] for t in ts for p in t.get("pass_seconds") or () if p[0] == "final"]
         later = [t for t in ts if t["question"] > 0]
         rows.append({
@@ -86,6 +90,7 @@ def cells(trials: list[dict]) -> list[dict]:
             "answer_in_view": round(sum(held) / len(held), 4) if held else None,
             "ttft_s_median": round(statistics.median(ttft), 4) if ttft else None,
             "bytes_moved_median": int(statistics.median(moved)) if moved else 0,
+            "device_kv_tokens_median": int(statistics.median(device)),
             "final_pass_at_s_median": round(statistics.median(final_at), 4) if final_at else None,
             "later_questions": {"n": len(later), "correct": sum(bool(t["correct"]) for t in later)},
         })
@@ -109,14 +114,16 @@ def markdown(rows: list[dict], metas: list[dict], model: str, report_command: st
            "(`benchmarks/fidelity/sessions.py`); accuracy with a 95% Wilson interval; "
            "\"in view\": the share of trials whose prompt (text methods) or view held the answer's "
            "evidence; TTFT: vLLM's own time to first token, median; moved: bytes restored to the "
-           "device per step, median (views); final at: seconds from the connector's admission of the "
+           "device per step, median (views); device KV: the tokens whose K/V the step held on the GPU "
+           "(the prompt for text methods, the final view for views; no pass of a view holds more than its "
+           "budget), median, in thousands of tokens; final at: seconds from the connector's admission of the "
            "request to its final pass (the probe's and any ingest's time), median, from the responses' "
            "`pass_seconds` (runs that recorded them).", ""]
     for length in sorted({r["history_tokens"] for r in rows}):
         out += [f"## {length} history tokens", "",
                 "| task | method | budget | n | accuracy | 95% CI | later questions | in view | TTFT s | final at s "
-                "| moved MB |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| moved MB | device KV |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["history_tokens"] != length:
                 continue
@@ -128,7 +135,7 @@ def markdown(rows: list[dict], metas: list[dict], model: str, report_command: st
                 f"{'-' if r['answer_in_view'] is None else format(r['answer_in_view'], '.2f')} | "
                 f"{'-' if r['ttft_s_median'] is None else format(r['ttft_s_median'], '.3f')} | "
                 f"{'-' if r['final_pass_at_s_median'] is None else format(r['final_pass_at_s_median'], '.3f')} | "
-                f"{r['bytes_moved_median'] / 1e6:.0f} |")
+                f"{r['bytes_moved_median'] / 1e6:.0f} | {r['device_kv_tokens_median'] / 1000:.1f}K |")
         out.append("")
     return out
 
