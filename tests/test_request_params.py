@@ -22,6 +22,7 @@ def test_valid_parameters_from_each_place():
         RequestParams(recompute_blocks=64, recompute_layout="in_order")
     assert parse({}, {"probe_hops": 2}) == RequestParams(probe_hops=2)
     assert parse({"view_context_blocks": 0}) == RequestParams(view_context_blocks=0)
+    assert parse({"view_passage_blocks": 8}) == RequestParams(view_passage_blocks=8)
 
 
 @pytest.mark.parametrize("params, extra, session_id, field", [
@@ -39,6 +40,9 @@ def test_valid_parameters_from_each_place():
     ({}, {"probe_hops": "2"}, None, "vllm_xargs.probe_hops"),
     ({"view_context_blocks": -1}, None, None, "kv_transfer_params.view_context_blocks"),
     ({"view_context_blocks": 10**9}, None, None, "kv_transfer_params.view_context_blocks"),
+    ({"view_passage_blocks": -1}, None, None, "kv_transfer_params.view_passage_blocks"),
+    ({}, {"view_passage_blocks": 65}, None, "vllm_xargs.view_passage_blocks"),
+    ({"view_passage_blocks": 8, "view_context_blocks": 1}, None, None, "kv_transfer_params.view_passage_blocks"),
     ({"session_id": ""}, None, None, "kv_transfer_params.session_id"),
     ({"session_id": 7}, None, None, "kv_transfer_params.session_id"),
     ({}, None, "s" * (MAX_SESSION_ID_CHARS + 1), "session_id"),

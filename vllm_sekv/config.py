@@ -71,6 +71,7 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 POLICIES = ("slru", "lru")
 RECOMPUTE_LAYOUTS = ("after_recent", "in_order")
 MAX_PROBE_HOPS = 3  # probes per view step (`probe_hops`)
+MAX_VIEW_PASSAGE_BLOCKS = 64  # most blocks a selected block's passage brings (`view_passage_blocks`)
 RESTORE_MODES = ("auto", "layerwise", "batched")
 # Block summaries the views' index can use (`vllm_sekv.index.block_summaries`);
 # those in SURPRISAL_SUMMARIES weight tokens by their surprisal and need
@@ -186,6 +187,13 @@ class SekvConfig:
     # Neighbours on each side of each selected block that the view takes
     # along with it (a fact cut by a block boundary comes whole).
     view_context_blocks: int = 0
+    # Passages (0 = off): each selected block brings the rest of its passage
+    # (the tokens between two blank lines or chat turn boundaries,
+    # `workspace.passages`), nearest first, up to this many blocks in all, so
+    # a paragraph, a document or a function comes whole. Replaces
+    # `view_context_blocks`; loads the tokenizer at start-up to find the
+    # break tokens.
+    view_passage_blocks: int = 0
     # Token-level re-rank of a probe's best candidates (0 = off): the index's
     # `rerank_blocks` highest-scoring blocks are scored again by the probe
     # queries' attention over their actual keys (from the host tier, each
@@ -314,6 +322,12 @@ class SekvConfig:
                 f"{self.sink_tokens + self.recent_tokens}; use 0 (the model's window) or at "
                 f"least {self.sink_tokens + self.recent_tokens + 2 * bt}"
             )
+        if not 0 <= self.view_passage_blocks <= MAX_VIEW_PASSAGE_BLOCKS:
+            raise ValueError(f"sekv config 'view_passage_blocks': expected 0..{MAX_VIEW_PASSAGE_BLOCKS} "
+                             f"(0: off), got {self.view_passage_blocks}")
+        if self.view_passage_blocks and self.view_context_blocks:
+            raise ValueError("sekv config 'view_passage_blocks': a selected block brings either its passage or "
+                             "view_context_blocks neighbours; set one of them to 0")
         if not 1 <= self.probe_hops <= MAX_PROBE_HOPS:
             raise ValueError(f"sekv config 'probe_hops': expected 1..{MAX_PROBE_HOPS}, got {self.probe_hops}")
         if not _COMBINE_RE.match(self.index_combine):

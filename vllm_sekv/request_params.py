@@ -4,7 +4,7 @@ Clients name a session and may ask for their own view budget, turn SeKV
 coarse attention off, or choose how many selected blocks a view recomputes
 (`recompute_blocks`, `recompute_layout`), how many probes select them
 (`probe_hops`) and how many neighbours each brings (`view_context_blocks`)
-for one request (the config keys of the same names), in
+or how much of its passage (`view_passage_blocks`) for one request (the config keys of the same names), in
 `kv_transfer_params` (or `vllm_xargs`, vLLM's `extra_args`), and on vLLM
 0.32 in its own `session_id` field:
 
@@ -24,10 +24,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from vllm_sekv.config import MAX_PROBE_HOPS, RECOMPUTE_LAYOUTS, SekvConfig
+from vllm_sekv.config import MAX_PROBE_HOPS, MAX_VIEW_PASSAGE_BLOCKS, RECOMPUTE_LAYOUTS, SekvConfig
 
 KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops",
-        "view_context_blocks")
+        "view_context_blocks", "view_passage_blocks")
 MAX_SESSION_ID_CHARS = 256
 MAX_VIEW_CONTEXT_BLOCKS = 16
 
@@ -71,6 +71,7 @@ class RequestParams:
     recompute_layout: str | None = None  # None: the server's setting
     probe_hops: int | None = None  # None: the server's setting
     view_context_blocks: int | None = None  # None: the server's setting
+    view_passage_blocks: int | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -127,7 +128,11 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
 
     hops = ranged("probe_hops", 1, MAX_PROBE_HOPS)
     context = ranged("view_context_blocks", 0, MAX_VIEW_CONTEXT_BLOCKS)
-    return RequestParams(sid, view, coarse, recompute, layout, hops, context)
+    passage = ranged("view_passage_blocks", 0, MAX_VIEW_PASSAGE_BLOCKS)
+    if context and passage:
+        raise RequestParamError(f"{given('view_passage_blocks')[0]}: a selected block brings either its "
+                                f"passage or view_context_blocks neighbours; send one of them")
+    return RequestParams(sid, view, coarse, recompute, layout, hops, context, passage)
 
 
 def of_request(request: Any) -> "RequestParams":

@@ -1,8 +1,8 @@
 """How a view coordinator builds a request's views with probe hops
 (`probe_hops`: it probes again behind the view its first probe chose, then
-builds the final view from both probes' rankings) and with the neighbours a
-request asks for (`view_context_blocks`), on a real planner and vLLM request
-(no model: the worker's reports are given)."""
+builds the final view from both probes' rankings) and with the neighbours or
+passages a request asks for (`view_context_blocks`, `view_passage_blocks`), on
+a real planner and vLLM request (no model: the worker's reports are given)."""
 import numpy as np
 import pytest
 
@@ -15,19 +15,20 @@ from vllm_sekv.workspace.catalog import BlockCatalog
 from vllm_sekv.workspace.hashing import extend_block_hashes
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
+from vllm_sekv.workspace.passages import BreakTokens
 from vllm_sekv.workspace.view_passes import PassKind
 
 BT, HISTORY_BLOCKS = 16, 60
 SEKV = dict(block_tokens=BT, view_tokens=12 * BT, sink_tokens=BT, recent_tokens=2 * BT)
 
 
-def coordinator(**sekv) -> tuple[ViewCoordinator, list[int]]:
+def coordinator(break_tokens=None, **sekv) -> tuple[ViewCoordinator, list[int]]:
     """A coordinator whose workspace holds a 60-block history, and a prompt of
     that history and 4 new tokens."""
     catalog = BlockCatalog(HISTORY_BLOCKS + 8, LRUPolicy())
     planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
     views = ViewCoordinator(SekvConfig(**SEKV, **sekv), planner, tenant_of=str, window_tokens=4096,
-                            capacity_tokens=4096)
+                            capacity_tokens=4096, break_tokens=break_tokens)
     history = (np.arange(HISTORY_BLOCKS * BT) % 97 + 1000).tolist()
     for b, h in enumerate(extend_block_hashes([], history, BT, "")):
         catalog.commit(catalog.reserve(start_token=b * BT), h)
@@ -98,3 +99,52 @@ def test_a_request_asks_for_its_own_context_blocks():
     views.jobs.clear()
     final = step(views, prompt, [scores])[-1]  # the server's setting: none
     assert {11, 31} <= set(final.history_blocks) and not {9, 10, 12, 13} & set(final.history_blocks)
+
+
+# Token 1050 breaks passages: the history's tokens 50, 147, 244, ... (every 97th),
+# so blocks 9..15 make one passage (tokens 148..244) and blocks 27..33 another.
+BREAKS = BreakTokens(np.array([1050]), np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+
+
+def test_a_request_asks_for_its_selected_blocks_passages():
+    loads = []
+    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or BREAKS)
+    scores = np.zeros(57)
+    scores[[10, 30]] = [2.0, 1.0]  # blocks 11 and 31 best
+    final = step(views, prompt, [scores], view_passage_blocks=4)[-1]
+    # room for 8: four blocks of block 11's passage nearest first, then four of block 31's
+    assert set(final.history_blocks) - {0, 58, 59} == {9, 10, 11, 12, 29, 30, 31, 32}
+    views.jobs.clear()
+    final = step(views, prompt, [scores], view_passage_blocks=4)[-1]
+    assert loads == [1]  # the break tokens are found once, at the first request that asks
+
+
+def test_a_servers_passages_load_the_breaks_at_start_up_and_a_request_may_ask_for_neighbours_instead():
+    loads = []
+    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or BREAKS, view_passage_blocks=4)
+    assert loads == [1]
+    scores = np.zeros(57)
+    scores[[10, 30]] = [2.0, 1.0]
+    assert set(step(views, prompt, [scores])[-1].history_blocks) - {0, 58, 59} == {9, 10, 11, 12, 29, 30, 31, 32}
+    views.jobs.clear()
+    final = step(views, prompt, [scores], view_context_blocks=1)[-1]
+    assert set(final.history_blocks) - {0, 58, 59} >= {10, 11, 12, 30, 31, 32}
+    assert 9 not in final.history_blocks  # neighbours, not the passage
+    with pytest.raises(ValueError, match="'view_passage_blocks'"):
+        coordinator(view_passage_blocks=4)  # no tokenizer to find breaks with
+    with pytest.raises(ValueError, match="'view_passage_blocks'"):
+        SekvConfig(view_passage_blocks=4, view_context_blocks=1)
+    with pytest.raises(ValueError, match="'view_passage_blocks'"):
+        SekvConfig(view_passage_blocks=65)
+
+
+def test_a_tokenizer_that_cannot_load_leaves_views_without_passages(caplog):
+    def broken():
+        raise OSError("no tokenizer files")
+
+    views, prompt = coordinator(break_tokens=broken)
+    scores = np.zeros(57)
+    scores[[10, 30]] = [2.0, 1.0]
+    final = step(views, prompt, [scores], view_passage_blocks=4)[-1]
+    assert {11, 31} <= set(final.history_blocks) and 9 not in final.history_blocks
+    assert "no passage breaks (no tokenizer files)" in caplog.text

@@ -21,6 +21,7 @@ from vllm_sekv.compat.engine_access import (
     kv_capacity_tokens,
     kv_update_replayed_from_cuda_graphs,
     layer_index,
+    load_tokenizer,
     native_window_tokens,
     new_request_block_ids,
     paged_kv_views,

@@ -125,6 +125,14 @@ def native_window_tokens(vllm_config: "VllmConfig") -> int:
     native = getattr(mc.hf_text_config, "max_position_embeddings", None) or mc.max_model_len
     return min(int(native), int(mc.max_model_len))
 
+def load_tokenizer(vllm_config: "VllmConfig") -> Any:
+    """The served model's tokenizer (Hugging Face), as vLLM's model config names it."""
+    from transformers import AutoTokenizer
+
+    model = vllm_config.model_config
+    return AutoTokenizer.from_pretrained(model.tokenizer, revision=model.tokenizer_revision,
+                                         trust_remote_code=model.trust_remote_code)
+
 def kv_capacity_tokens(kv_cache_config: Any, vllm_config: "VllmConfig") -> int:
     """Tokens the paged KV cache holds (one request's upper bound)."""
     if kv_cache_config is None:

@@ -32,6 +32,7 @@ from vllm_sekv.workspace.coarse_plan import CoarsePlan, plan_summaries
 from vllm_sekv.workspace.hashing import JoinedTokens
 from vllm_sekv.workspace.step_plan import LowRankBlock
 from vllm_sekv.workspace.planner import WorkspacePlanner
+from vllm_sekv.workspace.passages import BreakTokens, Passages
 from vllm_sekv.workspace.segments import Segments, segment
 from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
@@ -55,6 +56,8 @@ class ViewJob:
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
     context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
+    passage_blocks: int = 0  # most blocks of its passage each selected block brings (likewise)
+    passages: Passages | None = None  # the history's passages, found at the first probe that needs them
     # The zoom router's rank for each of probe.candidates (restore_codec
     # "router"; <= 0: exact); None without a router's report.
     ranks: np.ndarray | None = None
@@ -92,8 +95,12 @@ class ViewJob:
 class ViewCoordinator:
     def __init__(
         self, config: SekvConfig, planner: WorkspacePlanner, tenant_of: Callable[[str], str], window_tokens: int,
-        capacity_tokens: int,
+        capacity_tokens: int, break_tokens: Callable[[], BreakTokens] | None = None,
     ) -> None:
+        """`break_tokens`: returns the tokenizer's passage break ids
+        (`passages.break_token_ids`); called once, at start-up when the server
+        sets `view_passage_blocks`, else at the first request that asks for
+        passages. None: no request may."""
         self.config = config
         self.planner = planner
         self.tenant_of = tenant_of  # a client's cache salt -> its tenant key
@@ -112,6 +119,31 @@ class ViewCoordinator:
         # restore_codec "lowrank(r)": r; 0 for "exact" and "router" (ranks per block).
         codec = config.restore_codec
         self.codec_rank = 0 if codec in ("exact", ROUTER_CODEC) else parse_codec(codec).rank
+        self._break_tokens = break_tokens
+        self._breaks: BreakTokens | None = None
+        if config.view_passage_blocks:
+            if break_tokens is None:
+                raise ValueError("sekv config 'view_passage_blocks': this server has no tokenizer to find "
+                                 "passage breaks with")
+            self._breaks = self._find_breaks()
+
+    def _find_breaks(self) -> BreakTokens:
+        started = time.monotonic()
+        breaks = self._break_tokens()
+        logger.info("sekv: %d passage break tokens found in %.1f s", len(breaks.whole) + len(breaks.opens), time.monotonic() - started)
+        return breaks
+
+    def _passage_breaks(self) -> BreakTokens | None:
+        """The break token ids, found at the first call; None where the
+        tokenizer cannot be loaded (logged once; views then take no passages)."""
+        if self._breaks is None and self._break_tokens is not None:
+            try:
+                self._breaks = self._find_breaks()
+            except Exception as e:  # noqa: BLE001 - a request must not stop the engine
+                logger.warning("sekv: no passage breaks (%s); views take selected blocks without their "
+                               "passages", e)
+                self._break_tokens = None
+        return self._breaks
 
     # ------------------------------------------------------------ admission
 
@@ -149,8 +181,7 @@ class ViewCoordinator:
             else params.recompute_blocks
         job.recompute_in_order = (params.recompute_layout or self.config.recompute_layout) == "in_order"
         job.probe_hops = params.probe_hops or self.config.probe_hops
-        job.context_blocks = self.config.view_context_blocks if params.view_context_blocks is None \
-            else params.view_context_blocks
+        job.context_blocks, job.passage_blocks = self._extents(params)
         if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
             logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
                            "restores them", job.req_id)
@@ -160,6 +191,33 @@ class ViewCoordinator:
         # prefix cache under its real tokens.
         compat.hide_from_prefix_cache(request, self._pass_salt(job))
         return True
+
+    def _extents(self, params: request_params.RequestParams) -> tuple[int, int]:
+        """(neighbours, passage blocks) each selected block brings: the
+        server's, unless the request names one of them (then it decides both:
+        a request that asks for neighbours gets no passages, and the reverse)."""
+        cfg = self.config
+        context, passage = params.view_context_blocks, params.view_passage_blocks
+        if context is None and passage is None:
+            return cfg.view_context_blocks, cfg.view_passage_blocks
+        if passage is None:
+            return context, 0 if context else cfg.view_passage_blocks
+        if context is None:
+            return 0 if passage else cfg.view_context_blocks, passage
+        return context, passage
+
+    def _passages(self, job: ViewJob) -> Passages | None:
+        """The job's history passages, where it asks for them (found once
+        per job: its history does not change between passes)."""
+        if not job.passage_blocks:
+            return None
+        if job.passages is None:
+            breaks = self._passage_breaks()
+            if breaks is None:
+                job.passage_blocks = 0
+                return None
+            job.passages = Passages(job.prompt[: job.probe.tail_start], breaks, job.budget.block_tokens)
+        return job.passages
 
     def _pass_salt(self, job: ViewJob) -> str:
         n = sum(job.num_passes.values())
@@ -173,7 +231,8 @@ class ViewCoordinator:
         job = self.jobs[request.request_id]
         if job.current is None:
             if job.probe is not None and len(job.hop_scores) < job.probe_hops:
-                view = hop_probe(job.probe, self._selection_scores(job), job.budget, job.context_blocks)
+                view = hop_probe(job.probe, self._selection_scores(job), job.budget, job.context_blocks,
+                                 self._passages(job), job.passage_blocks)
             elif job.probe is not None:
                 view = self._final_pass(job)
             else:
@@ -218,7 +277,7 @@ class ViewCoordinator:
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
         view = final_pass(job.probe, self._selection_scores(job), budget, job.context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
-                          job.recompute_in_order)
+                          job.recompute_in_order, self._passages(job), job.passage_blocks)
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)

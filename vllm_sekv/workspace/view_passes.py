@@ -50,6 +50,8 @@ from typing import Sequence
 
 import numpy as np
 
+from vllm_sekv.workspace.passages import Passages, neighbours
+
 
 class PassKind(enum.Enum):
     INGEST = "ingest"
@@ -191,10 +193,11 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
     return ViewPass(PassKind.FINAL, bt, tuple(sink), tail_start, num_prompt_tokens - tail_start)
 
 
-def hop_probe(probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0) -> ViewPass:
+def hop_probe(probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
+              passages: Passages | None = None, passage_blocks: int = 0) -> ViewPass:
     """The next probe after `probe`: its new tokens and candidates behind
     the view `scores` choose (`final_pass`'s blocks, every one restored)."""
-    view = final_pass(probe, scores, budget, context_blocks)
+    view = final_pass(probe, scores, budget, context_blocks, passages=passages, passage_blocks=passage_blocks)
     return replace(view, kind=PassKind.PROBE, candidates=probe.candidates, rerank_extra=probe.rerank_extra)
 
 
@@ -221,6 +224,7 @@ def final_pass(
     probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
     anchors: Sequence[int] = (), anchor_tokens: int = 0, reserved_tokens: int = 0,
     recompute_blocks: int = 0, recompute_in_order: bool = False,
+    passages: Passages | None = None, passage_blocks: int = 0,
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
@@ -228,6 +232,9 @@ def final_pass(
     `context_blocks` > 0, each chosen block brings that many blocks on each
     side, as far as the room goes (a fact cut by a block boundary: its name
     in one block, its value in the next, and only one of them scores).
+    With `passages` and `passage_blocks` > 0 instead, each chosen block
+    brings the rest of its passage, nearest first, up to `passage_blocks`
+    blocks in all (`Passages.around`): a paragraph or a document whole.
 
     `anchors`: virtual positions of history anchor tokens, most important
     first. Those outside the view's blocks, at most `anchor_tokens` of them,
@@ -262,7 +269,9 @@ def final_pass(
     chosen: dict[int, None] = {}  # in the order chosen
     for i in ranked:
         block = probe.candidates[i]
-        for b in (block, *range(block - context_blocks, block), *range(block + 1, block + context_blocks + 1)):
+        extent = passages.around(block, passage_blocks) if passages is not None and passage_blocks > 0 \
+            else neighbours(block, context_blocks)
+        for b in extent:
             if len(chosen) < room and b in candidates:
                 chosen.setdefault(b)
         if len(chosen) >= room:

@@ -1,0 +1,74 @@
+"""Passages (`workspace.passages`): the break tokens of a real tokenizer, the
+passages of a history in whole blocks, and a view whose selected blocks bring
+their passages (`final_pass` with `passage_blocks`)."""
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from vllm_sekv.workspace.passages import BreakTokens, Passages, break_token_ids
+from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
+
+BREAK = 7  # the one break token of the synthetic histories below
+SYNTHETIC = BreakTokens(np.array([BREAK]), np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_a_chat_histories_breaks_are_its_turn_boundaries_and_blank_lines(tokenizer):
+    breaks = break_token_ids(tokenizer)
+    text = tokenizer.apply_chat_template([
+        {"role": "system", "content": "Be careful."},
+        {"role": "user", "content": "Document 1:\nAlpha beta.\n\nDocument 2:\nGamma.\n\n\ndef f(x=3):\n    return x\n"},
+    ], tokenize=False)
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"])
+    at = breaks.positions(ids)
+    pieces = [tokenizer.decode(ids[a + 1 : b + 1]) for a, b in zip([-1, *at[:-1]], at)]
+    assert pieces == ["<|im_start|>", "system\nBe careful.<|im_end|>", "\n<|im_start|>",
+                      "user\nDocument 1:\nAlpha beta.\n\n", "Document 2:\nGamma.\n\n\n",
+                      "def f(x=3):\n    return x\n<|im_end|>"]
+
+
+def test_a_passage_spans_the_blocks_of_its_tokens_and_a_block_belongs_where_its_middle_is():
+    # 4-token blocks; breaks at tokens 5, 9 and 22: passages 0..5, 6..9, 10..22, 23..31
+    history = np.ones(32, dtype=np.int64)
+    history[[5, 9, 22]] = BREAK
+    p = Passages(history, SYNTHETIC, block_tokens=4)
+    assert p.num_blocks == 8 and p.num_passages == 4
+    # block 1 (tokens 4..7, middle 6): passage 6..9; blocks 2..5 (middles 10..22): passage 10..22
+    assert [p.span(b) for b in range(8)] == [(0, 1), (1, 2), (2, 5), (2, 5), (2, 5), (2, 5), (5, 7), (5, 7)]
+    assert p.around(4, 8) == [4, 3, 5, 2]  # nearest first, the earlier first at equal distance
+    assert p.around(4, 2) == [4, 3] and p.around(4, 1) == [4]
+    assert p.around(0, 8) == [0, 1]
+    with pytest.raises(ValueError, match="outside"):
+        p.around(8, 2)
+
+
+def test_a_history_without_breaks_is_one_passage_and_a_trailing_break_opens_none():
+    assert Passages(np.ones(20, dtype=np.int64), SYNTHETIC, 4).num_passages == 1
+    history = np.ones(16, dtype=np.int64)
+    history[-1] = BREAK
+    p = Passages(history, SYNTHETIC, 4)
+    assert p.num_passages == 1 and p.span(3) == (0, 3)
+
+
+def test_a_views_selected_blocks_bring_their_passages_nearest_first_within_the_room():
+    budget = ViewBudget(block_tokens=8, view_tokens=96, sink_tokens=8, recent_tokens=16)  # 12 blocks
+    history = np.arange(1000, 1200) % 5 + 10  # 25 blocks, no break but the ones set here
+    history[[8 * 6 + 3, 8 * 13 + 3, 8 * 18]] = BREAK  # passages: blocks 0..6, 6..13, 13..18, 18..24
+    prompt = history.tolist() + [1, 2, 3]
+    probe = first_pass(len(prompt), matched_blocks=25, budget=budget)  # 8 blocks of room (sink 0, recent 23-24)
+    passages = Passages(prompt[: probe.tail_start], SYNTHETIC, 8)
+    scores = [0.0] * len(probe.candidates)
+    scores[10 - 1], scores[16 - 1] = 2.0, 1.0  # block 10 (passage 6..13), then 16 (13..18)
+    final = final_pass(probe, scores, budget, passages=passages, passage_blocks=4)
+    # 10, 9, 11, 8 (four of its passage), then 16, 15, 17, 14
+    assert final.history_blocks == (0, 8, 9, 10, 11, 14, 15, 16, 17, 23, 24)
+    wide = final_pass(probe, scores, budget, passages=passages, passage_blocks=64)
+    # block 10's whole passage (6..13) takes the room but 16
+    assert wide.history_blocks == (0, 6, 7, 8, 9, 10, 11, 12, 13, 23, 24)
+    # Without passage_blocks the passages are not used.
+    assert final_pass(probe, scores, budget, passages=passages).history_blocks == \
+        final_pass(probe, scores, budget).history_blocks

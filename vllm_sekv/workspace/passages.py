@@ -1,0 +1,126 @@
+"""Passages: the paragraphs and turns a history is written in, in whole blocks.
+
+A view selects history in fixed blocks of `block_tokens`; a fact, a
+document or a function rarely fits one. With `view_passage_blocks` a
+selected block brings the rest of its *passage*, so the view holds whole
+paragraphs the way a prompt would, not fragments cut at block boundaries.
+
+Definitions (the contract of this module):
+
+* A **break token** ends a passage: a special token of the tokenizer (a chat
+  turn's start or end), a token whose text holds a blank line (`"\\n\\n"`),
+  or a token starting with a newline right after one ending with one (a
+  blank line split over two tokens). `break_token_ids` finds them in a
+  vocabulary once.
+* **Passage k** is the run of tokens after the (k-1)-th break token up to
+  and including the k-th (the first passage starts at token 0; the last runs
+  to the end of the history).
+* A block's **home** passage is the one holding the block's middle token
+  (`block * block_tokens + block_tokens // 2`). A passage's **span** is every
+  block that holds one of its tokens, so the blocks at its two ends are
+  shared with its neighbours, and a passage comes with its first and last
+  tokens.
+* `Passages.around(block, most)` is the block, then the other blocks of its
+  home passage's span nearest first (the earlier one first at equal
+  distance), at most `most` in all.
+
+Pure numpy, no vLLM, blocking; inputs are never modified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PARAGRAPH_BREAK = "\n\n"
+
+
+@dataclass(frozen=True)
+class BreakTokens:
+    """The token ids that end passages, as sorted int64 arrays: `whole`, a
+    token that ends one alone (special tokens, text holding a blank line);
+    a token of `opens` (text starting with a newline) right after one of
+    `closes` (text ending with one), a blank line split over two tokens."""
+
+    whole: np.ndarray
+    closes: np.ndarray
+    opens: np.ndarray
+
+    def positions(self, tokens: np.ndarray) -> np.ndarray:
+        """Indices of `tokens` (int64 ids) that end a passage, ascending: the
+        break tokens, of a run of them only the last (`"\\n"` x 3 is one break)."""
+        ends = np.isin(tokens, self.whole)
+        if len(tokens) > 1:
+            ends[1:] |= np.isin(tokens[1:], self.opens) & np.isin(tokens[:-1], self.closes)
+            ends[:-1] &= ~ends[1:]
+        return np.flatnonzero(ends)
+
+
+def break_token_ids(tokenizer) -> BreakTokens:
+    """`tokenizer`'s break tokens. One decode of each id of the vocabulary
+    (0.1 s for SmolLM2's 49K ids on one CPU core); do it once per server."""
+    size = len(tokenizer)
+    texts = tokenizer.batch_decode([[i] for i in range(size)])
+    special = {int(i) for i in tokenizer.all_special_ids}
+    special.update(int(i) for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                   if getattr(added, "special", False))
+
+    def ids(keep) -> np.ndarray:
+        return np.asarray([i for i, text in enumerate(texts) if i not in special and keep(text)], dtype=np.int64)
+
+    whole = ids(lambda text: PARAGRAPH_BREAK in text)
+    whole = np.union1d(whole, np.asarray(sorted(i for i in special if 0 <= i < size), dtype=np.int64))
+    return BreakTokens(whole, ids(lambda text: text.endswith("\n")), ids(lambda text: text.startswith("\n")))
+
+
+class Passages:
+    """The passages of a history's whole blocks, found from its token ids."""
+
+    def __init__(self, history: Sequence[int] | np.ndarray, breaks: BreakTokens, block_tokens: int) -> None:
+        """`history`: token ids in virtual order (only its whole blocks count);
+        `breaks`: the tokenizer's break tokens (`break_token_ids`)."""
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self.num_blocks = len(history) // block_tokens
+        tokens = np.asarray(history[: self.num_blocks * block_tokens], dtype=np.int64)
+        ends = breaks.positions(tokens)  # last token of each passage but the last
+        # Passage k: tokens (ends[k-1], ends[k]]; its span in blocks [first, last].
+        first_token = np.concatenate(([0], ends + 1))
+        last_token = np.concatenate((ends, [max(len(tokens) - 1, 0)]))
+        keep = first_token <= last_token  # a break at the very end opens no passage
+        self._first = first_token[keep] // block_tokens
+        self._last = last_token[keep] // block_tokens
+        middle = np.arange(self.num_blocks, dtype=np.int64) * block_tokens + block_tokens // 2
+        self._home = np.searchsorted(last_token[keep], middle, side="left")
+
+    @property
+    def num_passages(self) -> int:
+        return len(self._first)
+
+    def span(self, block: int) -> tuple[int, int]:
+        """`(first, last)` block (inclusive) of `block`'s home passage."""
+        k = self._home[block]
+        return int(self._first[k]), int(self._last[k])
+
+    def around(self, block: int, most: int) -> list[int]:
+        """`block`, then its home passage's other blocks nearest first (the
+        earlier first at equal distance), at most `most` blocks in all."""
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is outside the history's {self.num_blocks} blocks")
+        first, last = self.span(block)
+        out = [block]
+        for step in range(1, last - first + 1):
+            if len(out) >= most:
+                break
+            for b in (block - step, block + step):
+                if first <= b <= last and len(out) < most:
+                    out.append(b)
+        return out[: max(most, 1)]
+
+
+def neighbours(block: int, context_blocks: int) -> Iterable[int]:
+    """`block`, then `context_blocks` blocks before it and as many after it
+    (`view_context_blocks`; the caller drops any outside the candidates)."""
+    return (block, *range(block - context_blocks, block), *range(block + 1, block + context_blocks + 1))
