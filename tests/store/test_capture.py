@@ -227,8 +227,10 @@ def test_a_capture_into_an_fp8_pool_is_the_exact_pools_rows_quantized(device):
     host_rows = [4, 5, 6, 7, 8, 9, 0]  # slot 1 whole; slots 2 and 0 begun
     deltas = torch.tensor([3, 3, 3, 3, -2, 40, 0])
     cap, seen = _capture(device, host_rows, deltas)
-    pool = HostPool(4, LAYERS, BT, H, D, torch.bfloat16, codec="fp8")
-    assert CaptureWriter(pool, torch.device(device)).write(cap, ROPE)
+    pool = HostPool(4, LAYERS, BT, H, D, torch.bfloat16, codec="fp8", pin_memory=device == "cuda")
+    writer = CaptureWriter(pool, torch.device(device))
+    assert writer.write(cap, ROPE)
+    writer.settle()
     want = _expected(4, host_rows, seen, deltas, torch.bfloat16)
     rows = torch.tensor(host_rows)
     k, v = pool.read_rows_all_layers(rows)  # [n, L, H, D]
@@ -238,4 +240,68 @@ def test_a_capture_into_an_fp8_pool_is_the_exact_pools_rows_quantized(device):
         scale, centre = params[..., :1], params[..., 1:]
         bound = (ref - centre).abs() * 2.0 ** -4 + scale * 2.0 ** -10 + ref.abs() * 2.0 ** -8
         assert bool(((got.float() - ref).abs() <= bound).all())
-    assert pool.take_failed_slots() == set()
+    assert pool.take_failed_slots() == set() and _failed_on_device(writer) == set()
+
+
+def _failed_on_device(writer: CaptureWriter) -> set[int]:
+    """Slots whose stored block was not finite, as the device flags them (fp8 on CUDA)."""
+    flags = writer.take_flags()
+    if flags is None:
+        return set()
+    finite, slots = flags
+    return set(slots[~finite.cpu().numpy()].tolist())
+
+
+def _quantized(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block `[2, L, bt, H, D]` quantized on the device as the pool stores it."""
+    from vllm_sekv.store.fp8 import quantize
+
+    q, params, _ = quantize(block.to("cuda")[None], token_dim=3)
+    return q[0].cpu(), params[0].cpu()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cudart.available()), reason="asynchronous path: CUDA only")
+def test_cuda_fp8_captures_are_asynchronous_and_store_each_block_quantized_once_over_all_its_rows():
+    """`workspace_codec` fp8 on CUDA: captures are written on the writer's
+    stream (the host goes on while the device is busy); a block whose rows
+    come over several steps waits in its page-locked tail and is quantized
+    once, on the device, when its last row comes: the pool then holds
+    exactly that block's quantization; a whole slot likewise at once; an
+    incomplete block reads back from its tail."""
+    pool = HostPool(6, LAYERS, BT, H, D, torch.bfloat16, codec="fp8", pin_memory=True)
+    writer = CaptureWriter(pool, torch.device("cuda"))
+    assert writer.stream is not None
+    steps = [[8, 9, 12, 13, 14, 15, 20], [10], [11, 21], [0]]  # slot 2 over three steps, 3 whole, 5 and 0 begun
+    blocks = torch.zeros(6, 2, LAYERS, BT, H, D, dtype=torch.bfloat16)
+    for i, host_rows in enumerate(steps):
+        cap, seen = _capture("cuda", host_rows, None, seed=i)
+        for layer, (key, value) in enumerate(seen):
+            for j, row in enumerate(host_rows):
+                blocks[row // BT, 0, layer, row % BT] = key[j].to(torch.bfloat16)
+                blocks[row // BT, 1, layer, row % BT] = value[j].to(torch.bfloat16)
+        if i == 0:
+            torch.cuda._sleep(1_000_000_000)  # the first capture's work starts about half a second from now
+        assert writer.write(cap, ROPE)
+        if i == 0:
+            assert len(writer._pending) == 1 and not writer._pending[0][0].query()  # queued; the host went on
+    writer.settle()
+    for slot in (2, 3):
+        q, params = _quantized(blocks[slot])
+        assert torch.equal(pool.data[slot].view(torch.uint8), q.view(torch.uint8)), slot
+        assert torch.equal(pool.scales[slot], params), slot
+    k, v = pool.read_rows_all_layers(torch.tensor([20, 21, 0]))  # slots 5 and 0: still in their tails
+    assert torch.equal(k, blocks[[5, 5, 0], 0, :, [0, 1, 0]]) and torch.equal(v, blocks[[5, 5, 0], 1, :, [0, 1, 0]])
+    assert _failed_on_device(writer) == set() and pool.take_failed_slots() == set()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cudart.available()), reason="asynchronous path: CUDA only")
+def test_cuda_an_fp8_block_that_is_not_finite_is_flagged_on_the_device_and_its_scales_are_nan():
+    pool = HostPool(4, LAYERS, BT, H, D, torch.bfloat16, codec="fp8", pin_memory=True)
+    writer = CaptureWriter(pool, torch.device("cuda"))
+    cap, _ = _capture("cuda", [4, 5, 6, 7, 8, 9, 10, 11], None, seed=3)  # slots 1 and 2 whole
+    cap.kv[0, 1, 5] = float("nan")  # one key row of slot 2, layer 1
+    assert writer.write(cap, ROPE)
+    assert _failed_on_device(writer) == {2}
+    writer.settle()
+    assert bool(pool.scales[2].isnan().any()) and bool(pool.scales[1].isfinite().all())
+    assert pool.take_failed_slots() == set()  # on CUDA the device's flags report it

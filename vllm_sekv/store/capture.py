@@ -33,13 +33,14 @@ positions and stores the buffer at the capture's host rows:
   calls `reap()`, which never waits: under asynchronous scheduling the next
   step starts while this one's forward still runs, and waiting there would
   undo the overlap.
-* Elsewhere, and on any device with an fp8 pool (`workspace_codec` fp8):
-  synchronously (`HostPool.write_rows_all_layers`). Under fp8 the whole
-  slots of the capture are quantized where the buffer is (on CUDA only their
-  fp8 bytes and scales are copied to the host); rows of incomplete blocks are
-  copied in the model dtype into the blocks' tails on the host, each block
-  quantized once complete. On CUDA these copies wait for the forward: fp8
-  captures do not overlap the next step.
+* The same with an fp8 pool (`workspace_codec` fp8): the side stream
+  quantizes whole slots and completed blocks on the device and copies their
+  fp8 bytes and parameters into the pool, and the rows of incomplete blocks
+  into their page-locked tails (`store.fp8_capture`). Whether each stored
+  block was finite comes back as flags on the device (`take_flags`), which
+  the step's report reads later (a block that was not fails its slot).
+* Elsewhere: synchronously (`HostPool.write_rows_all_layers`; under fp8 the
+  pool fails a non-finite block's slot at once, `take_failed_slots`).
 
 A capture that did not see every layer is never written: `write` returns
 False and the caller fails its slots (never store a partial block).
@@ -51,6 +52,7 @@ import torch
 
 from vllm_sekv.ops import gather_rerope, rotate_keys, rotate_layer_keys_
 from vllm_sekv.store import cudart
+from vllm_sekv.store.fp8_capture import Fp8StreamWriter
 from vllm_sekv.store.host_pool import HostPool
 from vllm_sekv.store.slot_runs import runs
 
@@ -123,12 +125,13 @@ class CaptureWriter:
     def __init__(self, pool: HostPool, device: torch.device) -> None:
         self.pool = pool
         self.stream: torch.cuda.Stream | None = None
-        # An fp8 pool is written through the synchronous path (whole slots
-        # quantized where the capture is, incomplete blocks kept in tails).
-        if (device.type == "cuda" and pool.scales is None and cudart.available()
-                and cudart.is_page_locked(pool.data)):
+        self._fp8: Fp8StreamWriter | None = None
+        if device.type == "cuda" and cudart.available() and cudart.is_page_locked(pool.data):
             self.stream = torch.cuda.Stream(device)
-        self._pending: list[tuple[torch.cuda.Event, StepCapture]] = []
+            if pool.scales is not None:
+                self._fp8 = Fp8StreamWriter(pool, self.stream)
+        # (event, what the copies before it read from and write to: kept alive until it passes)
+        self._pending: list[tuple[torch.cuda.Event, object]] = []
         self._readers: list[torch.cuda.Stream] = []
 
     def add_reader(self, stream: "torch.cuda.Stream") -> None:
@@ -147,8 +150,7 @@ class CaptureWriter:
         if capture.deltas is not None:
             rotate_layer_keys_(kv[0], capture.deltas, rope)
         if self.stream is None:
-            # fp8 pools quantize whole slots where the capture is (on CUDA only
-            # their fp8 bytes and scales cross to the host): the host writes
+            # fp8 pools quantize whole slots where the capture is: the host writes
             for reader in self._readers:
                 torch.cuda.current_stream(kv.device).wait_stream(reader)
             self.pool.write_rows_all_layers(torch.from_numpy(capture.host_rows),
@@ -157,6 +159,13 @@ class CaptureWriter:
         self.stream.wait_stream(torch.cuda.current_stream(kv.device))
         for reader in self._readers:
             self.stream.wait_stream(reader)
+        if self._fp8 is not None:
+            with torch.cuda.stream(self.stream):
+                tails = self._fp8.write(kv, capture.host_rows)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self._pending.append((done, (capture, tails)))
+            return True
         data = self.pool.data  # [slots, 2, L, bt, H, D]
         bt = self.pool.block_tokens
         row_bytes = kv[0, 0, 0].numel() * kv.element_size()
@@ -172,6 +181,12 @@ class CaptureWriter:
         done.record(self.stream)
         self._pending.append((done, capture))  # keeps the buffer alive until the copy is done
         return True
+
+    def take_flags(self) -> tuple[torch.Tensor, np.ndarray] | None:
+        """fp8 on CUDA: `(finite [m] bool on the device, host slot of each)`
+        of the blocks stored since the last call, computed on `stream` (None:
+        none; every other path fails such slots in the pool at once)."""
+        return self._fp8.take_flags() if self._fp8 is not None else None
 
     def settle(self) -> None:
         """Wait until every written capture is in the pool and the readers'
@@ -192,4 +207,4 @@ class CaptureWriter:
     def reap(self) -> None:
         """Let go of the captures already in the pool; never waits. Later
         copies are issued on the same stream, so they land after these."""
-        self._pending = [(done, capture) for done, capture in self._pending if not done.query()]
+        self._pending = [(done, held) for done, held in self._pending if not done.query()]

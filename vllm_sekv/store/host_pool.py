@@ -249,12 +249,18 @@ class HostPool:
             if tail.written.all():
                 del self._tails[slot]
 
-    def _tail_for(self, slot: int, layers: slice, starts: bool) -> _Tail | None:
+    def _tail_for(self, slot: int, layers: slice, starts: bool, pinned: bool = False) -> _Tail | None:
         """The tail of `slot` for a partial write into `layers`, made the most
         recently written; a write that `starts` the block empties those
         layers of it first. None when there is no tail and the write does not
-        start one: the block's earlier rows are gone, and the slot is failed."""
+        start one: the block's earlier rows are gone, and the slot is failed.
+        `pinned` (writers that copy into tails on a device stream, which
+        start every layer at once): a new tail's buffer is page-locked, and a
+        tail that `starts` again gets a new buffer instead of being emptied in
+        place (a copy into the old one may still be on its way)."""
         tail = self._tails.pop(slot, None)
+        if tail is not None and starts and pinned:
+            tail = None
         if tail is None:
             if not starts:
                 self.failed.add(slot)
@@ -262,12 +268,24 @@ class HostPool:
             while len(self._tails) >= TAIL_BLOCKS:
                 self._tails.pop(next(iter(self._tails)))
             shape = (2, *self.data.shape[2:])
-            tail = _Tail(torch.zeros(shape, dtype=self.dtype), np.zeros(shape[1:3], dtype=bool))
+            tail = _Tail(torch.zeros(shape, dtype=self.dtype, pin_memory=pinned), np.zeros(shape[1:3], dtype=bool))
         elif starts:
             tail.kv[:, layers] = 0
             tail.written[layers] = False
         self._tails[slot] = tail
         return tail
+
+    def open_tail(self, slot: int, starts: bool) -> _Tail | None:
+        """For a writer that copies rows of every layer into tails on a
+        device stream (`store.fp8_capture`): `slot`'s tail in page-locked
+        memory (see `_tail_for`). The writer marks the rows it copies in
+        `written` and calls `close_tail` once every row is; host readers must
+        wait for its copies first."""
+        return self._tail_for(slot, slice(None), starts, pinned=True)
+
+    def close_tail(self, slot: int) -> None:
+        """Forget `slot`'s tail: its block is complete, or written whole."""
+        self._tails.pop(slot, None)
 
     def _settle_tail(self, slot: int, layers: slice, block: torch.Tensor) -> None:
         """`slot` was written whole in `layers` (`block [2, L', bt, H, D]`):

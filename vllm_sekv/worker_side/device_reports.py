@@ -3,18 +3,23 @@
 Under asynchronous scheduling the worker builds a step's report
 (`SekvWorkerMeta`) while the step still runs on the GPU, and vLLM prepares
 the next step right after. Waiting there for the GPU would hold that back, so
-two facts travel in the report unread:
+these facts travel in the report unread:
 
 * `RestoreTiming`: a restore's transfer time, two CUDA events;
 * `CaptureCheck`: whether a paged capture's planned slots were in its step's
-  batch, flags computed on the device and copied to pinned host memory.
+  batch, flags computed on the device and copied to pinned host memory;
+* `SlotCheck` in general: flags per slot from the device, e.g. whether an fp8
+  capture's blocks were finite (`store.fp8_capture`), copied behind the
+  capture's own copies on their stream.
 
 `SekvWorkerMeta.settled()` reads them when the scheduler side reads the report.
 vLLM hands a step's report over with the step's output, once its sampled
 tokens are on the host: the forward, which waited for every restored layer,
 has then run, so the timing is ready, and a check waits at most for the
-capture's own few-microsecond kernels behind it. Read earlier, both wait; they
-are never read wrong. Each is idempotent: read once, remembered.
+capture's own kernels behind it (a few microseconds for a batch check; an fp8
+capture's quantization and copies, which the forward no longer waits for).
+Read earlier, they wait; they are never read wrong. Each is idempotent: read
+once, remembered.
 """
 from __future__ import annotations
 
@@ -69,25 +74,24 @@ def in_batch(want: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     return ordered[at] == want
 
 
-class CaptureCheck:
-    """Whether each planned row of a paged capture was in its step's batch.
+class SlotCheck:
+    """A flag per planned row, computed on the device: where one is False its
+    host slot fails (`why` says why). The flags are copied to pinned memory
+    behind an event recorded on `stream` (default: the current one):
+    building the check never waits for the GPU."""
 
-    A paged capture reads its rows from the paged cache at the plan's paged
-    slots; a slot the step did not write holds older KV, so its host slot
-    must fail instead of being committed. The flags are computed on the
-    device (`in_batch`) and copied to pinned memory behind an event recorded
-    on the compute stream: building the check never waits for the GPU."""
-
-    def __init__(self, want: torch.Tensor, slot_mapping: torch.Tensor, host_slots: np.ndarray) -> None:
-        found = in_batch(want, slot_mapping)
-        self.host_slots = host_slots  # per planned row
-        if found.device.type == "cuda":
+    def __init__(self, ok: torch.Tensor, host_slots: np.ndarray, why: str, stream: Any = None) -> None:
+        self.host_slots = host_slots  # per row
+        self.why = why
+        if ok.device.type == "cuda":
+            stream = stream if stream is not None else torch.cuda.current_stream(ok.device)
             self._flags = torch.empty(len(host_slots), dtype=torch.bool, pin_memory=True)
-            self._flags.copy_(found, non_blocking=True)
+            with torch.cuda.stream(stream):
+                self._flags.copy_(ok, non_blocking=True)
             self._done: Any = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(found.device))
+            self._done.record(stream)
         else:
-            self._flags, self._done = found, None
+            self._flags, self._done = ok, None
         self._failed: set[int] | None = None
 
     def ready(self) -> bool:
@@ -95,8 +99,8 @@ class CaptureCheck:
         return self._failed is not None or self._done is None or self._done.query()
 
     def failed(self) -> set[int]:
-        """Host slots with a planned row the batch did not hold; waits for the
-        flags if they are still on their way."""
+        """Host slots with a row whose flag is False; waits for the flags if
+        they are still on their way."""
         if self._failed is None:
             if self._done is not None:
                 self._done.synchronize()
@@ -108,11 +112,23 @@ class CaptureCheck:
         failed_slots |= self.failed()
 
 
+class CaptureCheck(SlotCheck):
+    """Whether each planned row of a paged capture was in its step's batch.
+
+    A paged capture reads its rows from the paged cache at the plan's paged
+    slots; a slot the step did not write holds older KV, so its host slot
+    must fail instead of being committed (`in_batch`, on the compute stream)."""
+
+    def __init__(self, want: torch.Tensor, slot_mapping: torch.Tensor, host_slots: np.ndarray) -> None:
+        super().__init__(in_batch(want, slot_mapping), host_slots, "rows missing from the batch")
+
+
 def count_settled(facts: list, stats: Any, capture: Any, wait: bool = False) -> list:
     """Count the device facts that are in (with `wait`: every one, waiting
     for them) into `stats` (restore seconds) and `capture` (slots of a check
-    that failed: dropped blocks; the report carries the slots, here they are
-    only counted); returns the facts still on the device, for a later step."""
+    that failed: dropped blocks, with the check's `why`; the report carries
+    the slots, here they are only counted); returns the facts still on the
+    device, for a later step."""
     waiting = []
     for fact in facts:
         if not (wait or fact.ready()):
@@ -120,6 +136,6 @@ def count_settled(facts: list, stats: Any, capture: Any, wait: bool = False) -> 
         elif isinstance(fact, RestoreTiming):
             stats.add("restore_seconds", fact.seconds())
         elif fact.failed():
-            capture.count_dropped(len(fact.failed()), "rows missing from the batch")
+            capture.count_dropped(len(fact.failed()), fact.why)
     return waiting
 

@@ -212,10 +212,9 @@ class DeviceRestores:
 
     `kv_caches` / `layer_of`: vLLM's paged caches by layer name and each
     name's layer index; `capture_writer`: the worker's, whose copies into the
-    pool every restore's copies are ordered after; `layerwise_copies`:
+    pool (and its fp8 tails) every restore is ordered after; `layerwise_copies`:
     whether layer-by-layer copies are available (CUDA: libcudart found);
-    `resident_bytes`: device memory for blocks kept between batched restores
-    (0: none)."""
+    `resident_bytes`: device memory for blocks kept between batched restores (0: none)."""
 
     def __init__(self, pool: HostPool, capture_writer: CaptureWriter, kv_caches: dict[str, torch.Tensor],
                  layer_of: dict[str, int], geometry: Any, rope: Any, block_tokens: int, restore_mode: str,
@@ -479,9 +478,10 @@ class DeviceRestores:
         return timings
 
     def _write_tails(self, forward_context: Any, ops: list[RestoreOp]) -> None:
-        """Rows of incomplete fp8 blocks (`split_tail_rows`): read from their
-        tails on the host (`HostPool.read_rows`, float32), every layer written
-        now through a `LayerWriter`, keys rotated there."""
+        """Rows of incomplete fp8 blocks (`split_tail_rows`): read from their tails on the host
+        (float32) once the captures' copies landed (`settle`), written through a `LayerWriter`."""
+        if ops:
+            self.capture_writer.settle()
         for op in ops:
             writer = self._writer(forward_context, op.rope_deltas is not None)
             deltas = None if op.rope_deltas is None else to_device(op.rope_deltas, self.device)

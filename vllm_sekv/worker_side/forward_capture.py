@@ -12,7 +12,8 @@ Two ways to read them, chosen per step:
 
 A planned row that cannot be captured fails its host slot: the block is never
 committed (a miss, recomputed), never stale KV. Under `workspace_codec` fp8
-so does a slot whose K/V is not finite (`HostPool.take_failed_slots`). Runs on the forward thread.
+so does a slot whose K/V is not finite (`HostPool.take_failed_slots`; on CUDA
+a `SlotCheck` the step's report reads from the device). Runs on the forward thread.
 """
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ from vllm_sekv.ops import RopeSpec
 from vllm_sekv.store import HostPool
 from vllm_sekv.store.capture import CaptureWriter, StepCapture
 from vllm_sekv.store.host_pool import to_device
-from vllm_sekv.worker_side.device_reports import CaptureCheck
+from vllm_sekv.worker_side.device_reports import CaptureCheck, SlotCheck
 from vllm_sekv.workspace.step_plan import StepPlan
 
 logger = logging.getLogger("vllm_sekv")
+NON_FINITE = "non-finite K/V cannot be stored as fp8"
 
 
 def paged_cache_views(kv_caches: dict[str, torch.Tensor], layer_of: dict[str, int], geometry: KVGeometry,
@@ -121,17 +123,19 @@ class ForwardCapture:
         if self.layer_by_layer:
             self.current.take(layer_idx, key, value)
 
-    def flush(self, plan: StepPlan, forward_begun: bool) -> None:
+    def flush(self, plan: StepPlan, forward_begun: bool) -> list[SlotCheck]:
         """After the forward: the captured rows of every layer into their host
         rows (on CUDA asynchronously). A capture that missed a layer fails its
         slots, and so do the planned rows of a step whose forward never
         reached the attention hook (e.g. vLLM replayed the KV-cache update
-        from a CUDA graph)."""
+        from a CUDA graph). Returns what the device still has to tell the
+        step's report: under fp8 on CUDA, whether each stored block was
+        finite (a block that was not fails its slot there)."""
         capture, self.current = self.current, None
         if not forward_begun and len(plan.capture_host_rows):
             self.fail_rows(plan.capture_host_rows, "the attention hook never saw this step's forward: "
                            "is the KV-cache update captured in a CUDA graph?")
-            return
+            return []
         if capture is not None and capture.paged:
             if capture.gather(*self.cache_views, self.rope):
                 self.views_checked = True
@@ -140,14 +144,16 @@ class ForwardCapture:
                                "(an unexpected layout); capturing through the attention hook from now on")
                 self.cache_views = None
         if capture is None:
-            return
+            return []
         if not self.writer.write(capture, self.rope):
             self.fail_rows(capture.host_rows, "a layer's K/V never reached the capture")
-            return
-        bad = self.pool.take_failed_slots()  # fp8: slots given non-finite K/V are never committed
+            return []
+        bad = self.pool.take_failed_slots()  # fp8: non-finite K/V, or a block whose earlier rows are gone
         if bad:
             self.failed_slots |= bad
-            self.count_dropped(len(bad), "non-finite K/V cannot be stored as fp8")
+            self.count_dropped(len(bad), "fp8 blocks with non-finite K/V or lost rows")
+        flags = self.writer.take_flags()  # fp8 on CUDA: the same, from the device
+        return [] if flags is None else [SlotCheck(*flags, NON_FINITE, self.writer.stream)]
 
     def fail_rows(self, host_rows: np.ndarray, why: str) -> None:
         """Fail the host slots of `host_rows` in this step's report: their

@@ -54,7 +54,7 @@ from vllm_sekv.config import SekvConfig
 from vllm_sekv.worker_side.coarse_attention import CoarseAttention, StepRows
 from vllm_sekv.protocol.metadata import SekvMetadata, SekvWorkerMeta, host_slots
 from vllm_sekv.protocol import head_start
-from vllm_sekv.worker_side.device_reports import CaptureCheck, RestoreTiming, count_settled
+from vllm_sekv.worker_side.device_reports import RestoreTiming, SlotCheck, count_settled
 from vllm_sekv.worker_side.index_feed import IndexFeed
 from vllm_sekv.worker_side.forward_capture import ForwardCapture, paged_cache_views
 from vllm_sekv.worker_side.host_restores import HostRestores, restore_ranks
@@ -90,8 +90,8 @@ class SekvWorkerSide:
         # This step's facts still on the device (CUDA restore timings, paged
         # capture checks): its report carries them unread (`device_reports`);
         # `_unsettled` keeps them until they are in, for stats and warnings.
-        self._device_reports: list[RestoreTiming | CaptureCheck] = []
-        self._unsettled: list[RestoreTiming | CaptureCheck] = []
+        self._device_reports: list[RestoreTiming | SlotCheck] = []
+        self._unsettled: list[RestoreTiming | SlotCheck] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_of: dict[str, int] = {}
         self.stats = SekvStats()
@@ -441,7 +441,8 @@ class SekvWorkerSide:
         if plan is None:
             return None
         if self.capture is not None:
-            self.capture.flush(plan, self._forward_begun)  # before the step is confirmed: then committable
+            # before the step is confirmed: then committable
+            self._device_reports += self.capture.flush(plan, self._forward_begun)
         self._end_layerwise()
         self._unsettled = count_settled(self._unsettled, self.stats, self.capture)
         reports, self._device_reports = self._device_reports, []
