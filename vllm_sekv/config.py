@@ -189,8 +189,9 @@ class SekvConfig:
     view_context_blocks: int = 0
     # Passages (0 = off): each selected block brings the rest of its passage
     # (the tokens between two blank lines or chat turn boundaries,
-    # `workspace.passages`), nearest first, up to this many blocks in all, so
-    # a paragraph, a document or a function comes whole. Replaces
+    # `workspace.passages`), nearest first, when the passage spans at most
+    # this many blocks, so a paragraph, a document or a function comes
+    # whole; a longer passage's block comes alone. Replaces
     # `view_context_blocks`; loads the tokenizer at start-up to find the
     # break tokens.
     view_passage_blocks: int = 0

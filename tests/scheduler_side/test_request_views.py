@@ -111,21 +111,23 @@ def test_a_request_asks_for_its_selected_blocks_passages():
     views, prompt = coordinator(break_tokens=lambda: loads.append(1) or BREAKS)
     scores = np.zeros(57)
     scores[[10, 30]] = [2.0, 1.0]  # blocks 11 and 31 best
-    final = step(views, prompt, [scores], view_passage_blocks=4)[-1]
-    # room for 8: four blocks of block 11's passage nearest first, then four of block 31's
-    assert set(final.history_blocks) - {0, 58, 59} == {9, 10, 11, 12, 29, 30, 31, 32}
+    final = step(views, prompt, [scores], view_passage_blocks=8)[-1]
+    # room for 8: block 11's passage whole (7 blocks), then block 31, whose passage the room cuts
+    assert set(final.history_blocks) - {0, 58, 59} == {9, 10, 11, 12, 13, 14, 15, 31}
     views.jobs.clear()
-    final = step(views, prompt, [scores], view_passage_blocks=4)[-1]
+    final = step(views, prompt, [scores], view_passage_blocks=6)[-1]
+    # passages of 7 blocks are longer than 6: the selected blocks come alone
+    assert {11, 31} <= set(final.history_blocks) and not {9, 10, 12, 13} & set(final.history_blocks)
     assert loads == [1]  # the break tokens are found once, at the first request that asks
 
 
 def test_a_servers_passages_load_the_breaks_at_start_up_and_a_request_may_ask_for_neighbours_instead():
     loads = []
-    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or BREAKS, view_passage_blocks=4)
+    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or BREAKS, view_passage_blocks=8)
     assert loads == [1]
     scores = np.zeros(57)
     scores[[10, 30]] = [2.0, 1.0]
-    assert set(step(views, prompt, [scores])[-1].history_blocks) - {0, 58, 59} == {9, 10, 11, 12, 29, 30, 31, 32}
+    assert set(step(views, prompt, [scores])[-1].history_blocks) - {0, 58, 59} == {9, 10, 11, 12, 13, 14, 15, 31}
     views.jobs.clear()
     final = step(views, prompt, [scores], view_context_blocks=1)[-1]
     assert set(final.history_blocks) - {0, 58, 59} >= {10, 11, 12, 30, 31, 32}
@@ -145,6 +147,6 @@ def test_a_tokenizer_that_cannot_load_leaves_views_without_passages(caplog):
     views, prompt = coordinator(break_tokens=broken)
     scores = np.zeros(57)
     scores[[10, 30]] = [2.0, 1.0]
-    final = step(views, prompt, [scores], view_passage_blocks=4)[-1]
+    final = step(views, prompt, [scores], view_passage_blocks=8)[-1]
     assert {11, 31} <= set(final.history_blocks) and 9 not in final.history_blocks
     assert "no passage breaks (no tokenizer files)" in caplog.text

@@ -40,7 +40,8 @@ def test_a_passage_spans_the_blocks_of_its_tokens_and_a_block_belongs_where_its_
     # block 1 (tokens 4..7, middle 6): passage 6..9; blocks 2..5 (middles 10..22): passage 10..22
     assert [p.span(b) for b in range(8)] == [(0, 1), (1, 2), (2, 5), (2, 5), (2, 5), (2, 5), (5, 7), (5, 7)]
     assert p.around(4, 8) == [4, 3, 5, 2]  # nearest first, the earlier first at equal distance
-    assert p.around(4, 2) == [4, 3] and p.around(4, 1) == [4]
+    assert p.around(4, 4) == [4, 3, 5, 2]
+    assert p.around(4, 3) == [4] and p.around(4, 1) == [4]  # a longer passage: the block alone
     assert p.around(0, 8) == [0, 1]
     with pytest.raises(ValueError, match="outside"):
         p.around(8, 2)
@@ -54,21 +55,21 @@ def test_a_history_without_breaks_is_one_passage_and_a_trailing_break_opens_none
     assert p.num_passages == 1 and p.span(3) == (0, 3)
 
 
-def test_a_views_selected_blocks_bring_their_passages_nearest_first_within_the_room():
+def test_a_views_selected_blocks_bring_their_passages_whole_within_the_room():
     budget = ViewBudget(block_tokens=8, view_tokens=96, sink_tokens=8, recent_tokens=16)  # 12 blocks
     history = np.arange(1000, 1200) % 5 + 10  # 25 blocks, no break but the ones set here
-    history[[8 * 6 + 3, 8 * 13 + 3, 8 * 18]] = BREAK  # passages: blocks 0..6, 6..13, 13..18, 18..24
+    history[[8 * 6 + 3, 8 * 13 + 3, 8 * 17 + 3]] = BREAK  # passages: blocks 0..6, 6..13, 13..17, 17..24
     prompt = history.tolist() + [1, 2, 3]
     probe = first_pass(len(prompt), matched_blocks=25, budget=budget)  # 8 blocks of room (sink 0, recent 23-24)
     passages = Passages(prompt[: probe.tail_start], SYNTHETIC, 8)
     scores = [0.0] * len(probe.candidates)
-    scores[10 - 1], scores[16 - 1] = 2.0, 1.0  # block 10 (passage 6..13), then 16 (13..18)
-    final = final_pass(probe, scores, budget, passages=passages, passage_blocks=4)
-    # 10, 9, 11, 8 (four of its passage), then 16, 15, 17, 14
-    assert final.history_blocks == (0, 8, 9, 10, 11, 14, 15, 16, 17, 23, 24)
+    scores[15 - 1], scores[10 - 1], scores[3 - 1] = 3.0, 2.0, 1.0  # blocks 15 (13..17), 10 (6..13), 3 (0..6)
+    final = final_pass(probe, scores, budget, passages=passages, passage_blocks=5)
+    # 15's passage whole (13..17), then 10 alone (its passage spans 8), then 3 alone (7), then the latest
+    assert final.history_blocks == (0, 3, 10, 13, 14, 15, 16, 17, 22, 23, 24)
     wide = final_pass(probe, scores, budget, passages=passages, passage_blocks=64)
-    # block 10's whole passage (6..13) takes the room but 16
-    assert wide.history_blocks == (0, 6, 7, 8, 9, 10, 11, 12, 13, 23, 24)
+    # 15's passage, then 10's passage as far as the room goes: 10, 9, 11
+    assert wide.history_blocks == (0, 9, 10, 11, 13, 14, 15, 16, 17, 23, 24)
     # Without passage_blocks the passages are not used.
     assert final_pass(probe, scores, budget, passages=passages).history_blocks == \
         final_pass(probe, scores, budget).history_blocks

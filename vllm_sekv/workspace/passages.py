@@ -22,7 +22,11 @@ Definitions (the contract of this module):
   tokens.
 * `Passages.around(block, most)` is the block, then the other blocks of its
   home passage's span nearest first (the earlier one first at equal
-  distance), at most `most` in all.
+  distance), when the span has at most `most` blocks; else the block alone.
+  A passage comes whole or not at all: a window of a longer one (a line's
+  neighbourhood in a long turn) is only its neighbours, which cost a view
+  room without making a unit whole (measured: such windows lost answers on
+  chains of single lines in long turns).
 
 Pure numpy, no vLLM, blocking; inputs are never modified.
 """
@@ -106,18 +110,17 @@ class Passages:
 
     def around(self, block: int, most: int) -> list[int]:
         """`block`, then its home passage's other blocks nearest first (the
-        earlier first at equal distance), at most `most` blocks in all."""
+        earlier first at equal distance) if the passage spans at most `most`
+        blocks; else `block` alone."""
         if not 0 <= block < self.num_blocks:
             raise ValueError(f"block {block} is outside the history's {self.num_blocks} blocks")
         first, last = self.span(block)
+        if last - first + 1 > most:
+            return [block]
         out = [block]
         for step in range(1, last - first + 1):
-            if len(out) >= most:
-                break
-            for b in (block - step, block + step):
-                if first <= b <= last and len(out) < most:
-                    out.append(b)
-        return out[: max(most, 1)]
+            out += [b for b in (block - step, block + step) if first <= b <= last]
+        return out
 
 
 def neighbours(block: int, context_blocks: int) -> Iterable[int]:

@@ -233,8 +233,9 @@ def final_pass(
     side, as far as the room goes (a fact cut by a block boundary: its name
     in one block, its value in the next, and only one of them scores).
     With `passages` and `passage_blocks` > 0 instead, each chosen block
-    brings the rest of its passage, nearest first, up to `passage_blocks`
-    blocks in all (`Passages.around`): a paragraph or a document whole.
+    brings the rest of its passage, nearest first, if the passage spans at
+    most `passage_blocks` blocks (`Passages.around`): a paragraph or a
+    document whole, as far as the room goes.
 
     `anchors`: virtual positions of history anchor tokens, most important
     first. Those outside the view's blocks, at most `anchor_tokens` of them,
