@@ -4,9 +4,9 @@ Clients name a session and may ask for their own view budget, turn SeKV
 coarse attention off, or choose how many selected blocks a view recomputes
 (`recompute_blocks`, `recompute_layout`), how many probes select them
 (`probe_hops`) and how many neighbours each brings (`view_context_blocks`)
-or how much of its passage (`view_passage_blocks`) for one request (the config keys of the same names), in
-`kv_transfer_params` (or `vllm_xargs`, vLLM's `extra_args`), and on vLLM
-0.32 in its own `session_id` field:
+or whether its passage (`view_passage_blocks`) for one request (the config
+keys of the same names), in `kv_transfer_params` (or `vllm_xargs`, vLLM's
+`extra_args`), and on vLLM 0.32 in its own `session_id` field:
 
     {"kv_transfer_params": {"session_id": "agent-7", "view_tokens": 4096, "coarse": false}}
     {"kv_transfer_params": {"session_id": "agent-7", "recompute_blocks": 64}}

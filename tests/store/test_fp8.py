@@ -156,7 +156,7 @@ def test_a_long_write_is_quantized_a_few_slots_at_a_time_as_in_one(monkeypatch):
     kv = _kv(len(rows), seed=4, scale=5.0)
     whole = HostPool(6, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
     whole.write_rows_all_layers(rows, kv)
-    monkeypatch.setattr(host_pool, "_QUANTIZE_SCRATCH_BYTES", 2 * kv[:, :, :BT].numel() * 20)  # 2 slots a time
+    monkeypatch.setattr(host_pool, "QUANTIZE_SCRATCH_BYTES", 2 * kv[:, :, :BT].numel() * 20)  # 2 slots a time
     calls = []
 
     def recording(block, token_dim):

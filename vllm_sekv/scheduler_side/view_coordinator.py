@@ -130,7 +130,8 @@ class ViewCoordinator:
     def _find_breaks(self) -> BreakTokens:
         started = time.monotonic()
         breaks = self._break_tokens()
-        logger.info("sekv: %d passage break tokens found in %.1f s", len(breaks.whole) + len(breaks.opens), time.monotonic() - started)
+        logger.info("sekv: the tokenizer's passage breaks found in %.1f s (%d tokens end a passage alone)",
+                    time.monotonic() - started, len(breaks.whole))
         return breaks
 
     def _passage_breaks(self) -> BreakTokens | None:

@@ -18,8 +18,9 @@ everything on one CUDA stream that the caller has ordered after the forward
   read, and a slot whose flag is False fails (a miss, recomputed; its scales
   are NaN meanwhile, never plausible KV).
 
-The bytes stored are those `HostPool.write_rows_all_layers` stores from the
-same K/V on the same device: the same quantization over the same rows.
+Each block is quantized as `HostPool.write_rows_all_layers` quantizes it
+(`store.fp8.quantize` over all its rows, once), always on the device: there
+the rows of a block completed over several steps are quantized on the host.
 
 Contract for the caller: keep `kv` and the tails `write` returns alive until
 the stream has passed this write (an event recorded after it); wait for the
@@ -33,12 +34,8 @@ import torch
 
 from vllm_sekv.store import cudart
 from vllm_sekv.store.fp8 import quantize
-from vllm_sekv.store.host_pool import HostPool
+from vllm_sekv.store.host_pool import QUANTIZE_SCRATCH_BYTES, HostPool
 from vllm_sekv.store.slot_runs import runs
-
-# The scratch one quantizing call may take on the device (bounds the slots
-# quantized at once: about 20 bytes per element).
-QUANTIZE_SCRATCH_BYTES = 256 << 20
 
 
 class Fp8StreamWriter:

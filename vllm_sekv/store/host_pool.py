@@ -59,7 +59,7 @@ PAGE_BYTES = 4096
 TAIL_BLOCKS = 256
 # fp8: the scratch one quantizing call may take where the K/V are (bounds
 # the slots quantized at once).
-_QUANTIZE_SCRATCH_BYTES = 256 << 20
+QUANTIZE_SCRATCH_BYTES = 256 << 20
 
 
 @dataclass
@@ -305,7 +305,7 @@ class HostPool:
         element, and a prefill's capture may hand over gigabytes of K/V on a
         device whose memory vLLM has already given to its cache."""
         per_slot = block[0].numel() * 20
-        step = max(1, _QUANTIZE_SCRATCH_BYTES // per_slot)
+        step = max(1, QUANTIZE_SCRATCH_BYTES // per_slot)
         for at in range(0, len(slots), step):
             part = slots[at : at + step]
             q, scale, finite = quantize(block[at : at + step], token_dim=3)
