@@ -1,5 +1,6 @@
 """Facts only the device knows when a step's report is built (a restore's
-transfer time; whether a paged capture's slots were in the batch) travel in
+transfer time; whether a paged capture's slots were in the batch; whether an
+fp8 capture's blocks were finite) travel in
 the report unread and are folded in when it is read; on CUDA, building them
 never waits for the GPU."""
 import pickle
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from vllm_sekv.protocol.metadata import SekvWorkerMeta
-from vllm_sekv.worker_side.device_reports import CaptureCheck, RestoreTiming, in_batch
+from vllm_sekv.protocol.stats import SekvStats
+from vllm_sekv.worker_side.device_reports import CaptureCheck, RestoreTiming, SlotCheck, count_settled, in_batch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 
@@ -97,3 +99,22 @@ def test_on_cuda_a_check_and_a_timing_are_built_without_waiting_for_the_gpu():
     assert check.failed() == {3}
     assert timing.seconds() == start.elapsed_time(end) / 1000.0  # the events' own reading, once they ran
     assert check.ready() and timing.ready()
+
+
+class _Capture:
+    """What `count_settled` tells of dropped blocks: (count, why) each time."""
+
+    def __init__(self) -> None:
+        self.dropped: list[tuple[int, str]] = []
+
+    def count_dropped(self, blocks: int, why: str) -> None:
+        self.dropped.append((blocks, why))
+
+
+def test_a_slot_check_fails_the_slots_of_false_flags_in_the_report_and_counts_them_with_its_reason():
+    check = SlotCheck(torch.tensor([True, False, True, False]), np.array([3, 4, 5, 4]), "non-finite K/V")
+    meta = SekvWorkerMeta(1, failed_slots={9}, pending=[check])
+    assert pickle.loads(pickle.dumps(meta)).failed_slots == {4, 9}
+    capture = _Capture()
+    assert count_settled([check], SekvStats(), capture) == []
+    assert capture.dropped == [(1, "non-finite K/V")]
