@@ -150,7 +150,7 @@ def test_whole_slot_writes_read_back_within_the_bound():
 def test_a_long_write_is_quantized_a_few_slots_at_a_time_as_in_one(monkeypatch):
     """A prefill's capture may be gigabytes: slots are quantized a few at a
     time (bounded scratch where the K/V are), to the same bytes and scales."""
-    from vllm_sekv.store import host_pool
+    from vllm_sekv.store import fp8, host_pool
 
     rows = torch.arange(5 * BT)
     kv = _kv(len(rows), seed=4, scale=5.0)
@@ -163,7 +163,7 @@ def test_a_long_write_is_quantized_a_few_slots_at_a_time_as_in_one(monkeypatch):
         calls.append(len(block))
         return quantize(block, token_dim)
 
-    monkeypatch.setattr(host_pool, "quantize", recording)
+    monkeypatch.setattr(fp8, "quantize", recording)  # what `quantize_blocks` calls
     chunked = HostPool(6, LAYERS, BT, HEADS, DIM, torch.bfloat16, codec="fp8")
     chunked.write_rows_all_layers(rows, kv)
     assert calls == [2, 2, 1]  # bounded scratch: never more than 2 slots per call

@@ -74,6 +74,18 @@ def quantize(x: torch.Tensor, token_dim: int) -> tuple[torch.Tensor, torch.Tenso
     return q, torch.cat([scale.unsqueeze(-1), centre.squeeze(token_dim)], dim=-1), finite
 
 
+def quantize_blocks(blocks: torch.Tensor, scratch_bytes: int):
+    """`quantize` of `blocks [m, 2, L, bt, H, D]` (tokens at dim 3) a few
+    blocks at a time, so the scratch it takes where the blocks are (about 20
+    bytes per element) stays near `scratch_bytes`: yields `(first, q, params,
+    finite)` for blocks `first .. first + len(q) - 1`, each block's `finite`
+    reduced to one flag."""
+    step = max(1, scratch_bytes // (blocks[0].numel() * 20))
+    for first in range(0, len(blocks), step):
+        q, params, finite = quantize(blocks[first : first + step], token_dim=3)
+        yield first, q, params, finite.reshape(len(q), -1).all(dim=1)
+
+
 def parts(params: torch.Tensor, token_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, centre) of `params` as `quantize` returns them, each shaped to
     broadcast against the values (`token_dim` as there), in float32."""

@@ -19,8 +19,8 @@ everything on one CUDA stream that the caller has ordered after the forward
   are NaN meanwhile, never plausible KV).
 
 Each block is quantized as `HostPool.write_rows_all_layers` quantizes it
-(`store.fp8.quantize` over all its rows, once), always on the device: there
-the rows of a block completed over several steps are quantized on the host.
+(`store.fp8.quantize` over all its rows, once), but always on the device,
+where that path quantizes a block completed over several steps on the host.
 
 Contract for the caller: keep `kv` and the tails `write` returns alive until
 the stream has passed this write (an event recorded after it); wait for the
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
-from vllm_sekv.store.fp8 import quantize
+from vllm_sekv.store.fp8 import quantize_blocks
 from vllm_sekv.store.host_pool import QUANTIZE_SCRATCH_BYTES, HostPool
 from vllm_sekv.store.slot_runs import runs
 
@@ -99,15 +99,10 @@ class Fp8StreamWriter:
         """Quantize `block [m, 2, L, bt, H, D]` on the stream into slots
         `first_slot .. first_slot + m - 1` of the pool, a few at a time."""
         pool = self.pool
-        per_slot = block[0].numel() * 20
-        step = max(1, QUANTIZE_SCRATCH_BYTES // per_slot)
-        for at in range(0, len(block), step):
-            q, params, finite = quantize(block[at : at + step], token_dim=3)
+        for at, q, params, finite in quantize_blocks(block, QUANTIZE_SCRATCH_BYTES):
             q, params = q.contiguous(), params.contiguous()
             slot = first_slot + at
             for src, dst in ((q, pool.data), (params, pool.scales)):
                 nbytes = src.numel() * src.element_size()
                 cudart.copy2d_async(dst[slot].data_ptr(), nbytes, src.data_ptr(), nbytes, nbytes, 1, self.stream)
-            count = len(q)
-            self._flags.append((finite.reshape(count, -1).all(dim=1),
-                                np.arange(slot, slot + count, dtype=np.int64)))
+            self._flags.append((finite, np.arange(slot, slot + len(q), dtype=np.int64)))

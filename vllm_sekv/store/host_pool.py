@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
-from vllm_sekv.store.fp8 import CODECS, FP8_DTYPE, dequantize, quantize
+from vllm_sekv.store.fp8 import CODECS, FP8_DTYPE, dequantize, quantize_blocks
 from vllm_sekv.store.slot_runs import runs
 
 PAGE_BYTES = 4096
@@ -304,13 +304,9 @@ class HostPool:
         A few slots at a time: quantizing takes about 20 bytes of scratch per
         element, and a prefill's capture may hand over gigabytes of K/V on a
         device whose memory vLLM has already given to its cache."""
-        per_slot = block[0].numel() * 20
-        step = max(1, QUANTIZE_SCRATCH_BYTES // per_slot)
-        for at in range(0, len(slots), step):
-            part = slots[at : at + step]
-            q, scale, finite = quantize(block[at : at + step], token_dim=3)
-            q, scale, finite = q.cpu(), scale.cpu(), finite.cpu()
-            bad = ~finite.reshape(len(part), -1).all(dim=1)
+        for at, q, scale, finite in quantize_blocks(block, QUANTIZE_SCRATCH_BYTES):
+            part = slots[at : at + len(q)]
+            q, scale, bad = q.cpu(), scale.cpu(), ~finite.cpu()
             if bool(bad.any()):
                 self.failed.update(part[bad].tolist())
             self.data[part, :, layers] = q
