@@ -8,6 +8,8 @@ import torch
 
 from vllm_sekv.ops.rope import scatter as rope_kernel
 from vllm_sekv.ops.rope import rotate_reference as rope_reference
+from vllm_sekv.ops.rope import dequant as rope_dequant
+from vllm_sekv.ops.rope import dequant_reference
 from vllm_sekv.ops.rope import gather as rope_gather
 from vllm_sekv.ops.rope import rotate as rope_rotate
 from vllm_sekv.ops.rope import scatter_reference
@@ -62,6 +64,26 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
             assert torch.equal(kv_tri, kv_ref), (kv_tri.float() - kv_ref.float()).abs().max()
         else:
             torch.testing.assert_close(kv_tri, kv_ref, rtol=2 ** -7, atol=1e-6)
+# fp8 blocks -> model-dtype K/V (a layerwise restore's write): every layer of a
+# batch, and one layer of a ring buffer viewed as [n, 1, bt, H, D]; with and
+# without re-RoPE. fp16: bit-identical; bf16: within 2 ulps (as above).
+for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 96)]:
+    for out_dtype in (torch.float16, torch.bfloat16):
+        n, layers, bt, heads = 3, 2, 8, 3
+        q8, sc8, _ = fp8_quantize(torch.randn(n, 2, layers, bt, heads, head_dim) * 3
+                                  + torch.randn(heads, head_dim) * 20, token_dim=3)
+        inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        rope = RopeSpec(inv, rotary_dim, neox)
+        ring = q8[:, :, 1].transpose(0, 1).contiguous()  # layer 1 as a ring buffer holds it
+        for deltas in (torch.randint(-100, 100000, (n * bt,)), None):
+            for args in ((q8[:, 0], q8[:, 1], sc8), (ring[0].unsqueeze(1), ring[1].unsqueeze(1), sc8[:, :, 1:2])):
+                got = rope_dequant.dequantize_rerope(*args, deltas, rope, out_dtype)
+                want = dequant_reference.dequantize_rerope(*args, deltas, rope, out_dtype)
+                for g, w in zip(got, want):
+                    if out_dtype == torch.float16:
+                        assert torch.equal(g, w), (g.float() - w.float()).abs().max()
+                    else:
+                        torch.testing.assert_close(g, w, rtol=2 ** -7, atol=1e-6)
 # The rotation kernel: bit-identical to the reference (float32, no fused multiply-adds).
 for neox, rotary_dim, head_dim, dtype in [(True, 64, 64, torch.float16), (False, 32, 32, torch.float32),
                                           (True, 48, 96, torch.float16)]:

@@ -367,22 +367,26 @@ def test_batched_pipeline_moves_fp8_bytes_and_matches_the_reference():
     exact_pipe.close()
 
 
-def test_layerwise_restore_hands_dequantized_layers():
+def test_layerwise_restore_hands_fp8_layers_with_their_parameters():
     pool = _filled_fp8_pool(8)
     host_slots = np.array([6, 7, 0, 3])
     written = {}
-    job = LayerwiseRestore(pool.data, host_slots, lambda l, k, v: written.__setitem__(l, (k.clone(), v.clone())),
+    job = LayerwiseRestore(pool.data, host_slots,
+                           lambda l, k, v, p: written.__setitem__(l, (k.clone(), v.clone(), p.clone())),
                            "cpu", depth=2, scales=pool.scales)
     job.start()
     for layer in (2, 0, 1):
         job.load(layer)
     job.finish()
+    assert sorted(written) == list(range(LAYERS))
     assert job.num_bytes == len(host_slots) * pool.block_bytes
-    wide = dequantize(pool.data[torch.from_numpy(host_slots)], pool.scales[torch.from_numpy(host_slots)], token_dim=3)
-    for layer, (k, v) in written.items():
-        assert k.dtype == torch.float32
-        assert torch.equal(k, wide[:, 0, layer].reshape(-1, HEADS, DIM))
-        assert torch.equal(v, wide[:, 1, layer].reshape(-1, HEADS, DIM))
+    index = torch.from_numpy(host_slots)
+    wide = dequantize(pool.data[index], pool.scales[index], token_dim=3)
+    for layer, (k, v, params) in written.items():
+        assert k.dtype == v.dtype == FP8_DTYPE and k.shape == (len(host_slots), BT, HEADS, DIM)
+        assert torch.equal(params, pool.scales[index][:, :, layer])
+        assert torch.equal(dequantize(k, params[:, 0], token_dim=1), wide[:, 0, layer])
+        assert torch.equal(dequantize(v, params[:, 1], token_dim=1), wide[:, 1, layer])
     with pytest.raises(ValueError, match="scales"):
         LayerwiseRestore(pool.data, host_slots, None, "cpu")
 

@@ -16,6 +16,10 @@ beside a reference with the same contract.
   delta_positions, rope, src_rows=None, scales=None)`: staged blocks -> paged
   caches, K re-RoPE'd; fp8 staging with its `scales` is dequantized on the
   way (see `vllm_sekv/ops/rope/scatter_reference.py`).
+* `dequantize_rerope(key, value, params, delta_positions, rope, dtype)`:
+  an fp8 pool's blocks -> model-dtype `[layers, tokens, kv_heads, head_dim]`
+  K and V, keys re-RoPE'd, in one pass (see
+  `vllm_sekv/ops/rope/dequant_reference.py`).
 * `gather_rerope(key_caches, value_caches, slots, delta_positions, rope,
   out)`: paged caches -> a `[2, layers, n, kv_heads, head_dim]` capture
   buffer, K re-RoPE'd (see `vllm_sekv/ops/rope/gather.py`).
@@ -32,6 +36,7 @@ from typing import Sequence
 import torch
 
 from vllm_sekv.ops.coarse import coarse_reference as _coarse_ref
+from vllm_sekv.ops.rope import dequant_reference as _dequant_ref
 from vllm_sekv.ops.rope import rotate_reference as _rope_ref
 from vllm_sekv.ops.rope import scatter_reference as _scatter_ref
 from vllm_sekv.ops.rope.rope_spec import RopeSpec
@@ -102,6 +107,20 @@ def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], va
                                        scales)
 
 
+def dequantize_rerope(key: torch.Tensor, value: torch.Tensor, params: torch.Tensor,
+                      delta_positions: torch.Tensor | None, rope: RopeSpec,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 blocks `[n, layers, block_tokens, kv_heads, head_dim]` and their
+    parameters -> (keys, values) `[layers, tokens, kv_heads, head_dim]` in
+    `dtype`, keys rotated by `delta_positions` (None: not rotated); Triton on
+    CUDA (bit-identical), reference elsewhere."""
+    if _use_triton(key) and dtype in _ROTATE_DTYPES and key.stride(-1) == 1 and params.stride(-1) == 1:
+        from vllm_sekv.ops.rope import dequant
+
+        return dequant.dequantize_rerope(key, value, params, delta_positions, rope, dtype)
+    return _dequant_ref.dequantize_rerope(key, value, params, delta_positions, rope, dtype)
+
+
 def gather_rerope(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], slots: torch.Tensor,
                   delta_positions: torch.Tensor | None, rope: RopeSpec, out: torch.Tensor) -> torch.Tensor:
     """Paged caches -> capture buffer, K re-RoPE'd; Triton on CUDA (bit-identical), reference elsewhere."""
@@ -124,4 +143,4 @@ def coarse_merge(q: torch.Tensor, out_view: torch.Tensor, lse_view: torch.Tensor
 
 
 __all__ = ["RopeSpec", "rotate_keys", "rotate_layer_keys_", "score_sub_blocks", "warm_up_scoring", "scatter_rerope",
-           "gather_rerope", "coarse_merge"]
+           "dequantize_rerope", "gather_rerope", "coarse_merge"]

@@ -30,8 +30,10 @@ and, given `scales` (the pool's parameters `[slots, 2, layers, kv_heads,
 1 + head_dim]`: scale and per-channel centre, `store.fp8`), the restored
 blocks' parameters (float32; on CUDA copied from the pinned pool on the
 copy stream before the first layer, one copy per run of slots); `write`
-then gets K and V dequantized in float32 (`float(x) * scale + centre`), to
-be rotated in float32 and rounded once to the cache dtype (`LayerWriter`).
+then gets the layer's fp8 K and V `[num_blocks, block_tokens, kv_heads,
+head_dim]` and, as a fourth argument, their parameters `[num_blocks, 2,
+kv_heads, 1 + head_dim]`, to dequantize, rotate and round once to the cache
+dtype in one pass (`LayerWriter`, `ops.dequantize_rerope`).
 """
 from __future__ import annotations
 
@@ -41,11 +43,11 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
-from vllm_sekv.store.fp8 import dequantize
 from vllm_sekv.store.slot_runs import runs
 
-# (layer index, key [n * block_tokens, kv_heads, head_dim], value [same])
-LayerWrite = Callable[[int, torch.Tensor, torch.Tensor], None]
+# (layer index, key [n * block_tokens, kv_heads, head_dim], value [same]); an fp8 pool's:
+# (layer index, key [n, block_tokens, kv_heads, head_dim] float8, value [same], params [n, 2, kv_heads, 1 + head_dim])
+LayerWrite = Callable[..., None]
 
 
 class LayerwiseRestore:
@@ -138,15 +140,12 @@ class LayerwiseRestore:
         if self._cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(self._copied[layer])
-        key = buf[0].view(self._tokens, *buf.shape[3:])
-        value = buf[1].view(self._tokens, *buf.shape[3:])
-        if self._scales is not None:  # fp8: float(x) * scale + centre of its (block, K / V, layer, head)
-            s = self._scales[:, :, layer]  # [n, 2, H, 1 + D]
-            key = dequantize(buf[0], s[:, 0], token_dim=1).view(self._tokens, *buf.shape[3:])
-            value = dequantize(buf[1], s[:, 1], token_dim=1).view(self._tokens, *buf.shape[3:])
         if self.write is None:
             raise RuntimeError("a layerwise restore loaded a layer before it was given its `write`")
-        self.write(layer, key, value)
+        if self._scales is not None:  # fp8: the blocks' bytes and their parameters for this layer
+            self.write(layer, buf[0], buf[1], self._scales[:, :, layer])
+        else:
+            self.write(layer, buf[0].view(self._tokens, *buf.shape[3:]), buf[1].view(self._tokens, *buf.shape[3:]))
         self._written[layer] = True
         while self._next_write < self.num_layers and self._written[self._next_write]:
             self._next_write += 1

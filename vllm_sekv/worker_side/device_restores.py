@@ -27,9 +27,9 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
   step.
 
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
-slots' scales; `LayerWriter` gets float32 K/V dequantized on the device,
-rotates keys in float32 and rounds once to the model dtype before the
-platform's cache-update op. Rows of a block still incomplete (they wait in a
+slots' parameters; `LayerWriter` dequantizes them on the device in one pass
+(`ops.dequantize_rerope`: float32, keys rotated, rounded once to the model
+dtype) before the platform's cache-update op. Rows of a block still incomplete (they wait in a
 model-dtype tail and the slot's fp8 bytes are not written yet: a view's most
 recent tokens) cannot be copied from the pool: `start` takes them out of
 the copies (`split_tail_rows`) and writes them from the tails, every layer
@@ -53,14 +53,13 @@ import torch
 
 from vllm_sekv import compat
 from vllm_sekv.worker_side.device_reports import RestoreTiming
-from vllm_sekv.ops import rotate_keys, rotate_layer_keys_
 from vllm_sekv.store.capture import CaptureWriter
-from vllm_sekv.store.fp8 import dequantize
 from vllm_sekv.store.host_pool import HostPool, to_device
 from vllm_sekv.store.layerwise import LayerwiseRestore
 from vllm_sekv.store.resident import ResidentBlocks
 from vllm_sekv.store.slot_runs import mean_run_length, run_starts
 from vllm_sekv.store.transfer import RestorePipeline
+from vllm_sekv.worker_side.layer_writer import LayerWriter
 from vllm_sekv.workspace.step_plan import RestoreOp
 
 # `restore_mode` "auto" goes layerwise when the restored host slots come in
@@ -145,66 +144,6 @@ def split_tail_rows(ops: list[RestoreOp], pool: HostPool) -> tuple[list[RestoreO
                 into.append(replace(op, paged_slots=op.paged_slots[mask], host_rows=op.host_rows[mask],
                                     rope_deltas=deltas))
     return device_ops, tail_ops
-
-
-class LayerWriter:
-    """Writes restored K/V of one layer (or a batch of whole slots, every
-    layer) into the paged caches with the platform's cache-update op, keys
-    re-RoPE'd by the tokens' deltas first when the restore moves them. A
-    layerwise restore's writer gets its destinations (`route`) after the
-    first copies are enqueued, before the forward asks for a layer.
-
-    `layers`: layer index -> [(vLLM attention layer, its paged cache)]."""
-
-    def __init__(self, layers: dict[int, list], geometry: Any, rope: Any, rerope: bool) -> None:
-        self.layers = layers
-        self.geometry = geometry
-        self.rope = rope
-        self.rerope = rerope
-        self.mapping: torch.Tensor | None = None
-        self.deltas: torch.Tensor | None = None
-
-    def _write(self, idx: int, key: torch.Tensor, value: torch.Tensor,
-               mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
-        if self.rerope:
-            key = rotate_keys(key, deltas, self.rope)
-        self._store(idx, key, value, mapping)
-
-    def _store(self, idx: int, key: torch.Tensor, value: torch.Tensor, mapping: torch.Tensor) -> None:
-        """Layer `idx`'s K (rotated already) and V into its caches, in the model dtype (fp8 pools'
-        float32 K/V, dequantized and rotated in float32, are rounded once here)."""
-        key, value = key.to(self.geometry.dtype), value.to(self.geometry.dtype)
-        for layer, kv_cache in self.layers.get(idx, ()):
-            layer.impl.write_kv(layer, key, value, kv_cache, mapping)
-
-    def route(self, mapping: torch.Tensor, deltas: torch.Tensor | None) -> None:
-        """Where a layerwise restore's tokens go (paged slot, -1: skipped) and
-        their RoPE deltas (None: keys not moved)."""
-        self.mapping, self.deltas = mapping, deltas
-
-    def __call__(self, idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """One layer of a layerwise restore: `[tokens, kv_heads, head_dim]`."""
-        if self.mapping is None:
-            raise RuntimeError("a layerwise restore wrote a layer before its writer was routed")
-        self._write(idx, key, value, self.mapping, self.deltas)
-
-    def batch(self, staged: torch.Tensor, mapping: torch.Tensor, deltas: torch.Tensor,
-              scales: torch.Tensor | None = None) -> None:
-        """A batch of whole slots `[m, 2, layers, block_tokens, kv_heads, head_dim]`
-        (fp8 with its parameters `scales [m, 2, layers, kv_heads, 1 + head_dim]`:
-        dequantized in float32 first)."""
-        geo = self.geometry
-        if scales is not None:
-            staged = dequantize(staged, scales, token_dim=3)
-        # K and V as [layers, tokens, kv_heads, head_dim] (one copy each), every layer's keys rotated in one
-        # call: per layer only the cache-update op is left (a restore of resident blocks waits on launches).
-        keys, values = (staged[:, i].transpose(0, 1).reshape(geo.num_layers, -1, geo.kv_heads, geo.head_dim)
-                        for i in (0, 1))
-        if self.rerope:
-            rotate_layer_keys_(keys, deltas, self.rope)
-        keys, values = keys.to(geo.dtype), values.to(geo.dtype)  # fp8 pools: one rounding for every layer
-        for idx in self.layers:
-            self._store(idx, keys[idx], values[idx], mapping)
 
 
 class DeviceRestores:

@@ -107,7 +107,7 @@ case $step in
       tests/worker_side/test_device_restores.py tests/worker_side/test_full_graph_steps.py \
       tests/protocol/test_head_start.py tests/worker_side/test_rerank.py tests/store/test_capture.py \
       tests/store/test_host_pool.py tests/store/test_resident.py tests/store/test_layerwise.py tests/ops/test_gather.py \
-      tests/ops/test_rotate.py tests/gpu/test_cuda_index.py tests/store/test_fp8.py tests/worker_side/test_fp8_capture.py
+      tests/ops/test_rotate.py tests/ops/test_dequant.py tests/gpu/test_cuda_index.py tests/store/test_fp8.py tests/worker_side/test_fp8_capture.py
     wait_for_qwen 200
     cp /tmp/convert.log "$OUT/convert.log" 2>/dev/null
     wait_for_fidelity_servers
