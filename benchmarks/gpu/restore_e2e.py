@@ -346,10 +346,14 @@ def report(rows: list[dict], bandwidth: float, pitched: float | None, args: argp
         "commands": meta["commands"],
         # runs the report's History table quotes (hand-added), kept when the report is written again
         **({"earlier_runs": old["earlier_runs"]} if old.get("earlier_runs") else {})}, indent=1))
+    latest = {}  # one row per cell, a later run's in place of an earlier one's (as in the tables)
+    for r in rows:
+        if r["engine"] in ("plain", "native", "sekv-host", "sekv-disk"):
+            latest[(r["engine"], codec_of(r), r["history_tokens"])] = r
     summary = [{"engine": r["engine"], "codec": codec_of(r), "history_tokens": r["history_tokens"],
                 "ttft_s": round(r["ttft_s"], 4),
                 "bound_s": round(r["history_tokens"] * bytes_per_token(codec_of(r)) / bandwidth, 4)}
-               for r in rows if r["engine"] in ("plain", "native", "sekv-host", "sekv-disk")]
+               for r in latest.values()]
     (out.parent / "summary.json").write_text(json.dumps(
         {"machine": meta["machine"], "commit": meta["commit"], "rows": summary}, indent=1) + "\n")
     print("\n".join(lines), flush=True)
