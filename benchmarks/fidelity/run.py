@@ -102,12 +102,15 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
                                                      "recompute_layout": "in_order"}),
     "views-rerank-ctx2-hop2-rcall-ord": ("views-rerank", {"view_context_blocks": 2, "probe_hops": 2,
                                                           "recompute_blocks": 100000, "recompute_layout": "in_order"}),
-    # each selected block with its passage (paragraph, document, function) up to 8 or 16 blocks, nearest first
+    # each selected block with its passage (paragraph, document, function) when it spans up to 8 or 16 blocks
     "views-rerank-psg8": ("views-rerank", {"view_passage_blocks": 8}),
     "views-rerank-psg8-rcall-ord": ("views-rerank", {"view_passage_blocks": 8, "recompute_blocks": 100000,
                                                      "recompute_layout": "in_order"}),
     "views-rerank-psg16-rcall-ord": ("views-rerank", {"view_passage_blocks": 16, "recompute_blocks": 100000,
                                                       "recompute_layout": "in_order"}),
+    # passages and a second probe: the bridge paragraph of a two-hop question, whole
+    "views-rerank-psg8-hop2-rcall-ord": ("views-rerank", {"view_passage_blocks": 8, "probe_hops": 2,
+                                                          "recompute_blocks": 100000, "recompute_layout": "in_order"}),
 }
 TTFT = "vllm:time_to_first_token_seconds"
 LINE_TOKENS = 64  # evidence this short must be in a view whole
