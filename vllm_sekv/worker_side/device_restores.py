@@ -29,11 +29,11 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
 slots' parameters; `LayerWriter` dequantizes them on the device in one pass
 (`ops.dequantize_rerope`: float32, keys rotated, rounded once to the model
-dtype) before the platform's cache-update op. Rows of a block still incomplete (they wait in a
-model-dtype tail and the slot's fp8 bytes are not written yet: a view's most
-recent tokens) cannot be copied from the pool: `start` takes them out of
-the copies (`split_tail_rows`) and writes them from the tails, every layer
-before the forward, through the same writer.
+dtype) before the platform's cache-update op. Rows of a block still
+incomplete (they wait in a model-dtype tail and the slot's fp8 bytes are not
+written yet: a view's most recent tokens) cannot be copied from the pool:
+`start` takes them out of the copies (`split_tail_rows`) and writes them
+from the tails, every layer before the forward, through the same writer.
 
 Each restore's transfer time travels in the step's report as a
 `RestoreTiming` (CUDA events, read when they are in). One instance per
