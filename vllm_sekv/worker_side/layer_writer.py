@@ -65,7 +65,7 @@ class LayerWriter:
         (fp8 with its parameters `scales [m, 2, layers, kv_heads, 1 + head_dim]`:
         dequantized, rotated and rounded in one pass, `ops.dequantize_rerope`)."""
         geo = self.geometry
-        if scales is not None:  # dequantized, rotated and rounded in one pass
+        if scales is not None:
             keys, values = dequantize_rerope(staged[:, 0], staged[:, 1], scales, deltas if self.rerope else None,
                                              self.rope, geo.dtype)
             for idx in self.layers:
