@@ -105,7 +105,9 @@ def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int,
     (path or name, its config and its weights, `weights_digest`), KV dtype
     and geometry, block size, ranks, the record format, and the workspace
     codec (`workspace_codec`; named only when not exact, so exact
-    fingerprints are unchanged): fp8 blocks are another server's KV."""
+    fingerprints are unchanged): fp8 blocks are another server's KV, and
+    so are the bytes of an fp8 paged cache (its dtype named too; its layer
+    scales come with the weights)."""
     from vllm_sekv.store.records import FORMAT_VERSION
 
     mc = vllm_config.model_config
@@ -125,6 +127,9 @@ def model_fingerprint(vllm_config: "VllmConfig", block_tokens: int,
     }
     if workspace_codec != "exact":
         fingerprint["workspace_codec"] = workspace_codec
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if cache_dtype.startswith("fp8"):  # the fp8 paged cache's own bytes, under its layer scales
+            fingerprint["kv_cache_dtype"] = cache_dtype
     return fingerprint
 
 def weights_digest(model: str, load_format: str = "auto", samples: int = 16, sample_bytes: int = 1 << 16) -> str:

@@ -138,21 +138,26 @@ def test_decode_steps_replayed_from_full_graphs_store_nothing_unchecked(runs, tm
     assert any(short_of_the_decoded)  # a block with decoded tokens would have been restored
 
 
-def test_under_an_fp8_kv_cache_a_restore_gives_the_outputs_of_vllms_own_prefix_cache(tmp_path, model_dir, essay):
-    """`--kv-cache-dtype fp8`: the workspace keeps K/V as the attention layer
-    receives them and a restore writes them through the cache-update op,
-    which quantizes them as a prefill would: the restored pages hold the bytes
-    vLLM's own prefix cache holds for the same history, and greedy outputs
-    equal that engine's (float32 model, vLLM's 128-token CPU pages, as in the
-    bf16 test above). Plain vLLM prefilling everything is no exact reference
-    here: its history K/V come from a longer prefill, whose float32 rounding
+@pytest.mark.parametrize("codec", ["exact", "fp8"])
+def test_under_an_fp8_kv_cache_a_restore_gives_the_outputs_of_vllms_own_prefix_cache(tmp_path, model_dir, essay,
+                                                                                   codec):
+    """`--kv-cache-dtype fp8`. With `workspace_codec` exact the workspace
+    keeps K/V as the attention layer receives them and a restore writes them
+    through the cache-update op, which quantizes them as a prefill would; with
+    fp8 it keeps the bytes the cache holds (half the host bytes) and a restore
+    writes their values through the same op, which maps each to itself.
+    Either way the restored pages hold the values vLLM's own prefix cache
+    holds for the same history, and greedy outputs equal that engine's
+    (float32 model, vLLM's 128-token CPU pages, as in the bf16 test above).
+    Plain vLLM prefilling everything is no exact reference here: its history K/V come from a longer prefill, whose float32 rounding
     differs in the last bits, and a last-bit difference at an fp8 rounding
     boundary moves a value by a whole fp8 step."""
     import torch
 
     if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
         pytest.skip("vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache")
-    page = {**SEKV, "block_tokens": VLLM_CPU_PAGE_TOKENS, "sink_tokens": VLLM_CPU_PAGE_TOKENS}
+    page = {**SEKV, "block_tokens": VLLM_CPU_PAGE_TOKENS, "sink_tokens": VLLM_CPU_PAGE_TOKENS,
+            "workspace_codec": codec}
     warm = run_session(tmp_path, model_dir, essay, page, "float32", reset=False, kv_cache_dtype="fp8")
     assert warm["steps"][2]["num_cached_tokens"] > 0  # vLLM's own cache served the history
     assert warm["steps"][2]["kv_transfer_params"]["sekv"]["restored_tokens"]["host"] == 0

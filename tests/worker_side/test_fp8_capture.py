@@ -22,7 +22,7 @@ GEOMETRY = KVGeometry(num_layers=LAYERS, kv_heads=HEADS, head_dim=D, dtype=torch
 def _step(poison_layer=None):
     pool = HostPool(6, LAYERS, BT, HEADS, D, torch.bfloat16, codec="fp8")
     stats = SekvStats()
-    capture = ForwardCapture(pool, CaptureWriter(pool, torch.device("cpu")), GEOMETRY, ROPE, BT, stats, None)
+    capture = ForwardCapture(pool, CaptureWriter(pool, torch.device("cpu")), GEOMETRY, ROPE, BT, stats, {}, {})
     host_rows = np.concatenate([np.arange(2 * BT, 3 * BT), np.arange(5 * BT, 5 * BT + 2)])  # slot 2 whole, 5 partly
     plan = StepPlan(step_id=1, batch_tokens=len(host_rows), capture_paged_slots=np.arange(len(host_rows)),
                     capture_host_rows=host_rows, capture_rope_deltas=np.zeros(0, dtype=np.int64))

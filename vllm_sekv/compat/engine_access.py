@@ -76,6 +76,44 @@ def paged_kv_views(kv_cache: Any, kv_heads: int, head_dim: int) -> tuple[Any, An
         return kv_cache[:, 0], kv_cache[:, 1]
     return None
 
+def paged_kv_byte_views(kv_cache: Any, kv_heads: int, head_dim: int) -> tuple[Any, Any] | None:
+    """(K, V) uint8 views `[pages, page_size, kv_heads, head_dim]` of one
+    layer's fp8 paged cache (one byte per element), as the platform's
+    cache-update op writes it: on CUDA the layouts of `paged_kv_views`; on
+    the CPU vLLM 0.32's backend as its `vec` kernels write it, each (page,
+    head) `2 * page_size * head_dim` bytes (registered as `[pages, kv_heads,
+    page_size, 2 * head_dim]`), its K head_dim-major (`[head_dim,
+    page_size]`) and its V token-major after it. None for any other. The CPU
+    layout depends on the kernels (`amx` packs K otherwise): the worker
+    checks the views against the attention layer's own K/V once before
+    trusting them (`ForwardCapture.first_layer`)."""
+    import torch
+
+    if kv_cache.element_size() != 1:
+        return None
+    cache = kv_cache.view(torch.uint8)
+    if cache.device.type != "cpu":
+        return paged_kv_views(cache, kv_heads, head_dim)
+    shape = tuple(cache.shape)
+    if cache.dim() != 4 or shape[1] != kv_heads or not cache[0, 0].is_contiguous():
+        return None
+    pages, page_size = shape[0], shape[2] * shape[3] // (2 * head_dim)
+    if page_size * 2 * head_dim != shape[2] * shape[3]:
+        return None
+    page, head = cache.stride(0), cache.stride(1)
+    at = cache.storage_offset()
+    key = cache.as_strided((pages, page_size, kv_heads, head_dim), (page, 1, head, page_size), at)
+    value = cache.as_strided((pages, page_size, kv_heads, head_dim), (page, head_dim, head, 1),
+                             at + page_size * head_dim)
+    return key, value
+
+def kv_cache_scales(vllm_config: "VllmConfig", layer_names: list[str]) -> list[tuple[float, float]]:
+    """(K scale, V scale) of each named attention layer, as its cache-update
+    op applies them to an fp8 paged cache (1.0 unless the checkpoint gives
+    scales; fixed once the weights are loaded)."""
+    layers = vllm_config.compilation_config.static_forward_context
+    return [(float(layers[name]._k_scale_float), float(layers[name]._v_scale_float)) for name in layer_names]
+
 def kv_update_replayed_from_cuda_graphs(vllm_config: "VllmConfig") -> bool:
     """Whether vLLM would replay the attention layers' KV-cache update from
     captured CUDA graphs, where the attention hook (Python) never runs: graphs

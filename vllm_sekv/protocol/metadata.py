@@ -96,14 +96,35 @@ class SekvWorkerMeta(KVConnectorWorkerMetadata):
         )
 
 
-def check_workspace_codec(config: SekvConfig, vllm_config: Any) -> None:
-    """`workspace_codec` fp8 against the served model: a paged cache that is
-    already fp8 (`--kv-cache-dtype fp8*`) would quantize twice (host fp8,
-    then the cache's own): refused, naming the key."""
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # vLLM's e4m3 paged caches, whose bytes an fp8 workspace keeps as they are
+
+
+def keeps_cache_bytes(config: SekvConfig, vllm_config: Any) -> bool:
+    """Whether the workspace keeps the bytes of an fp8 paged cache as they
+    are: `workspace_codec` fp8 under `--kv-cache-dtype fp8` (`store.fp8`)."""
     cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
-    if config.workspace_codec == "fp8" and cache_dtype.startswith("fp8"):
-        raise ValueError(f"sekv config 'workspace_codec': fp8 with an fp8 paged cache (--kv-cache-dtype "
-                         f"{cache_dtype}) would quantize K/V twice; use workspace_codec exact")
+    return config.workspace_codec == "fp8" and cache_dtype in FP8_CACHE_DTYPES
+
+
+def check_workspace_codec(config: SekvConfig, vllm_config: Any) -> None:
+    """`workspace_codec` fp8 against the served model's paged cache: with an
+    e4m3 cache it keeps the cache's bytes, which needs every layer's cache in
+    fp8 and scales fixed at load time; any other quantized cache would be
+    quantized twice. Refused naming the key."""
+    if config.workspace_codec != "fp8":
+        return
+    cache_config = getattr(vllm_config, "cache_config", None)
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
+    if cache_dtype in FP8_CACHE_DTYPES:
+        if getattr(cache_config, "kv_cache_dtype_skip_layers", None):
+            raise ValueError("sekv config 'workspace_codec': fp8 keeps the fp8 paged cache's bytes, which needs "
+                             "every layer's cache in fp8 (--kv-cache-dtype-skip-layers is set); use exact")
+        if getattr(cache_config, "calculate_kv_scales", False):
+            raise ValueError("sekv config 'workspace_codec': fp8 keeps the fp8 paged cache's bytes, whose scales "
+                             "must be fixed at load time (--calculate-kv-scales is set); use exact")
+    elif cache_dtype not in ("auto", "float16", "bfloat16", "float32"):
+        raise ValueError(f"sekv config 'workspace_codec': fp8 with a {cache_dtype} paged cache (--kv-cache-dtype) "
+                         f"would quantize K/V twice; use workspace_codec exact")
 
 
 def block_bytes_per_rank(config: SekvConfig, vllm_config: Any) -> int:

@@ -8,6 +8,11 @@ row layout of a host slot, filled one of two ways:
 * layer by layer inside the forward: `take(layer, key, value)` gathers a
   layer's batch rows (two `index_select`s, no allocation, no
   synchronization); the attention hook calls it once per layer;
+* from an fp8 paged cache, layer by layer inside the forward
+  (`cache_bytes=True`, rows are paged slots): `take_bytes(layer, keys,
+  values)` reads the bytes the platform just wrote through uint8 views of
+  the layer's cache (`compat.paged_kv_byte_views`): a pool over an fp8 cache
+  stores them as they are (`HostPool.write_fp8_rows`);
 * where the worker can read the paged caches directly (CUDA, vLLM's
   FlashAttention layout; `paged=True`, rows are paged slots): once after the
   forward, `gather(key_caches, value_caches, rope)`, one launch for every
@@ -39,8 +44,16 @@ positions and stores the buffer at the capture's host rows:
   into their page-locked tails (`store.fp8_capture`). Whether each stored
   block was finite comes back as flags on the device (`take_flags`), which
   the step's report reads later (a block that was not fails its slot).
+* The same with a pool over an fp8 paged cache (`HostPool.layer_params`):
+  the capture's bytes are copied as an exact pool's rows are (model-dtype
+  rows are first rounded to the layer scales where they are), and the slots
+  take the fixed parameters on the host.
 * Elsewhere: synchronously (`HostPool.write_rows_all_layers`; under fp8 the
   pool fails a non-finite block's slot at once, `take_failed_slots`).
+
+Keys a capture moves (`deltas`) are rotated in the buffer's dtype, or for
+cache bytes dequantized with the layer scales, rotated in float32 and
+rounded back to them (`store.fp8.quantize_with`).
 
 A capture that did not see every layer is never written: `write` returns
 False and the caller fails its slots (never store a partial block).
@@ -52,6 +65,7 @@ import torch
 
 from vllm_sekv.ops import gather_rerope, rotate_keys, rotate_layer_keys_
 from vllm_sekv.store import cudart
+from vllm_sekv.store.fp8 import FP8_DTYPE, dequantize, quantize_with
 from vllm_sekv.store.fp8_capture import Fp8StreamWriter
 from vllm_sekv.store.host_pool import HostPool
 from vllm_sekv.store.slot_runs import runs
@@ -61,17 +75,20 @@ class StepCapture:
     """One forward's planned rows, captured from every layer."""
 
     def __init__(self, rows: torch.Tensor, host_rows: np.ndarray, deltas: torch.Tensor | None,
-                 num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, paged: bool = False) -> None:
+                 num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, paged: bool = False,
+                 cache_bytes: bool = False) -> None:
         """`rows [n]` (on the forward's device): the batch rows to keep (`take`),
-        or with `paged` their paged-cache slots (`gather`); `host_rows [n]`:
-        where they go; `deltas [n]` (same device, or None): virtual position
-        minus computed position of each row's key."""
+        or with `paged` or `cache_bytes` their paged-cache slots (`gather`,
+        `take_bytes`; the buffer then holds uint8); `host_rows [n]`: where
+        they go; `deltas [n]` (same device, or None): virtual position minus
+        computed position of each row's key."""
         self.rows = rows
         self.paged = paged
+        self.cache_bytes = cache_bytes
         self.host_rows = host_rows
         self.deltas = deltas
-        self.kv = torch.empty((2, num_layers, len(host_rows), kv_heads, head_dim), dtype=dtype,
-                              device=rows.device)
+        self.kv = torch.empty((2, num_layers, len(host_rows), kv_heads, head_dim),
+                              dtype=torch.uint8 if cache_bytes else dtype, device=rows.device)
         self._layer_views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # for `take`
         self._missing = set(range(num_layers))
         self._expected: tuple[int, torch.Tensor, torch.Tensor] | None = None
@@ -87,6 +104,15 @@ class StepCapture:
                 torch.index_select(src, 0, rows, out=dst)
             else:
                 dst.copy_(src.index_select(0, rows))
+        self._missing.discard(layer)
+
+    def take_bytes(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep layer `layer`'s planned slots of its fp8 paged cache, read
+        through its uint8 views `[pages, page_size, kv_heads, head_dim]`."""
+        page_size = keys.shape[1]
+        pages, offsets = self.rows // page_size, self.rows % page_size
+        self.kv[0, layer] = keys[pages, offsets]
+        self.kv[1, layer] = values[pages, offsets]
         self._missing.discard(layer)
 
     def expect(self, layer: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> None:
@@ -128,7 +154,7 @@ class CaptureWriter:
         self._fp8: Fp8StreamWriter | None = None
         if device.type == "cuda" and cudart.available() and cudart.is_page_locked(pool.data):
             self.stream = torch.cuda.Stream(device)
-            if pool.scales is not None:
+            if pool.scales is not None and pool.layer_params is None:
                 self._fp8 = Fp8StreamWriter(pool, self.stream)
         # (event, what the copies before it read from and write to: kept alive until it passes)
         self._pending: list[tuple[torch.cuda.Event, object]] = []
@@ -147,15 +173,29 @@ class CaptureWriter:
         if not capture.complete:
             return False
         kv = capture.kv
+        params = self.pool.layer_params
         if capture.deltas is not None:
-            rotate_layer_keys_(kv[0], capture.deltas, rope)
+            if capture.cache_bytes:
+                at = params[0].to(kv.device)  # [L, H, 1 + D]: each layer's K scale
+                keys = dequantize(kv[0].view(FP8_DTYPE), at, token_dim=1)
+                rotate_layer_keys_(keys, capture.deltas, rope)
+                kv[0] = quantize_with(keys, at, token_dim=1).view(torch.uint8)
+            else:
+                rotate_layer_keys_(kv[0], capture.deltas, rope)
         if self.stream is None:
             # fp8 pools quantize whole slots where the capture is: the host writes
             for reader in self._readers:
                 torch.cuda.current_stream(kv.device).wait_stream(reader)
-            self.pool.write_rows_all_layers(torch.from_numpy(capture.host_rows),
-                                            kv if self.pool.scales is not None else kv.cpu())
+            rows = torch.from_numpy(capture.host_rows)
+            if capture.cache_bytes:
+                self.pool.write_fp8_rows(rows, kv)
+            else:
+                self.pool.write_rows_all_layers(rows, kv if self.pool.scales is not None else kv.cpu())
             return True
+        if params is not None:  # bytes as the exact pool's rows, the slots' fixed parameters set here
+            if not capture.cache_bytes:
+                kv = quantize_with(kv, params, token_dim=2).view(torch.uint8)
+            self.pool.take_layer_params(capture.host_rows)
         self.stream.wait_stream(torch.cuda.current_stream(kv.device))
         for reader in self._readers:
             self.stream.wait_stream(reader)
@@ -179,7 +219,7 @@ class CaptureWriter:
                                 length * row_bytes, 2 * kv.shape[1], self.stream)
         done = torch.cuda.Event()
         done.record(self.stream)
-        self._pending.append((done, capture))  # keeps the buffer alive until the copy is done
+        self._pending.append((done, (capture, kv)))  # keeps the buffers alive until the copy is done
         return True
 
     def take_flags(self) -> tuple[torch.Tensor, np.ndarray] | None:

@@ -37,6 +37,14 @@ scale: such a group's scale is NaN (`quantize` reports it through its
 `finite` mask) and the pool fails the slot (a miss, recomputed), so a block
 with non-finite K/V is never served quantized.
 
+Over an fp8 paged cache (`--kv-cache-dtype fp8`) the tier keeps the bytes
+the cache holds instead: vLLM's e4m3 with one scale per layer for K and one
+for V (the attention layer's `k_scale`, `v_scale`) and no centres. Such
+blocks are stored in the same form, their parameters the layer's scale and
+zero centres (`cache_params`), so every reader dequantizes them as any
+other; `quantize_with` rounds values to those fixed parameters (keys a
+capture or restore moves, rotated in float32).
+
 Pure torch, any device; nothing is mutated except the `out` tensors given.
 """
 from __future__ import annotations
@@ -72,6 +80,27 @@ def quantize(x: torch.Tensor, token_dim: int) -> tuple[torch.Tensor, torch.Tenso
     s = scale.unsqueeze(token_dim).unsqueeze(-1)
     q = (residual / s).nan_to_num(0.0, 0.0, 0.0).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, torch.cat([scale.unsqueeze(-1), centre.squeeze(token_dim)], dim=-1), finite
+
+
+def cache_params(k_scales: list[float], v_scales: list[float], kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Parameters `[2, layers, kv_heads, 1 + head_dim]` float32 of bytes as an
+    fp8 paged cache holds them: layer l's K scale, then its V scale, for
+    every head, and zero centres."""
+    params = torch.zeros((2, len(k_scales), kv_heads, 1 + head_dim), dtype=torch.float32)
+    params[0, :, :, 0] = torch.tensor(k_scales, dtype=torch.float32)[:, None]
+    params[1, :, :, 0] = torch.tensor(v_scales, dtype=torch.float32)[:, None]
+    return params
+
+
+def quantize_with(x: torch.Tensor, params: torch.Tensor, token_dim: int) -> torch.Tensor:
+    """`x` rounded to e4m3 under fixed `params` (x's shape less the token
+    dim, `1 + head_dim` values last): `round_e4m3(clamp((x - centre) / scale,
+    +-448))`, computed in float32 where x is. Non-finite input comes out as 0
+    (NaN) or +-448 (inf): callers of fixed scales store what they are given."""
+    token_dim = token_dim % x.dim()
+    scale, centre = parts(params.to(x.device), token_dim)
+    q = ((x.to(torch.float32) - centre) / scale).nan_to_num(0.0, FP8_MAX, -FP8_MAX)
+    return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def quantize_blocks(blocks: torch.Tensor, scratch_bytes: int):

@@ -40,6 +40,13 @@ A slot given non-finite K/V is failed: its scales become NaN (any read of it
 is NaN, never plausible KV) and it is reported by `take_failed_slots()`; the
 capture then fails it (a miss, recomputed). A slot filled whole by an NVMe
 read is complete.
+
+fp8 over an fp8 paged cache (`layer_params`, `store.fp8.cache_params`): the
+slots hold the bytes the cache holds, with every layer's fixed scale and zero
+centres as their parameters. Rows are written straight into their slots (one
+rounding each, no tails): `write_fp8_rows` stores bytes as they are, the
+other writers round model-dtype rows to the fixed scales (`quantize_with`).
+Readers are those of any fp8 pool.
 """
 from __future__ import annotations
 
@@ -50,8 +57,8 @@ import numpy as np
 import torch
 
 from vllm_sekv.store import cudart
-from vllm_sekv.store.fp8 import CODECS, FP8_DTYPE, dequantize, quantize_blocks
-from vllm_sekv.store.slot_runs import runs
+from vllm_sekv.store.fp8 import CODECS, FP8_DTYPE, dequantize, quantize_blocks, quantize_with
+from vllm_sekv.store.slot_runs import SlotRuns, runs, whole_slots
 
 PAGE_BYTES = 4096
 # fp8: at most this many incomplete blocks wait in the model dtype (a tail
@@ -72,16 +79,6 @@ class _Tail:
     written: np.ndarray
 
 
-@dataclass(frozen=True)
-class SlotRuns:
-    """Rows split for `HostPool.write_rows`: `whole` = (index of the run's
-    first row, its first slot, number of slots) for runs of whole consecutive
-    slots; `rest` = indices of the other rows."""
-
-    whole: list[tuple[int, int, int]]
-    rest: torch.Tensor
-
-
 class HostPool:
     def __init__(
         self,
@@ -93,9 +90,15 @@ class HostPool:
         dtype: torch.dtype,
         pin_memory: bool = False,
         codec: str = "exact",
+        layer_params: torch.Tensor | None = None,
     ) -> None:
+        """`layer_params [2, num_layers, kv_heads, 1 + head_dim]` (codec fp8
+        only): the fixed parameters of an fp8 paged cache's bytes (module doc)."""
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        if layer_params is not None and codec != "fp8":
+            raise ValueError("layer_params are the parameters of an fp8 pool")
+        self.layer_params = layer_params
         self.block_tokens = block_tokens
         self.codec = codec
         self.dtype = dtype  # what writers give and readers get back
@@ -110,6 +113,8 @@ class HostPool:
                                       pin_memory)
             self.scales.zero_()
             self.scales[..., 0] = 1.0  # scale 1, centre 0
+            if layer_params is not None:
+                self.scales[:] = layer_params
         self.pinned = bool(pin_memory and self.data.numel())  # page-locked: the copy engine reads it directly
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
@@ -168,13 +173,17 @@ class HostPool:
 
     def write_rows(
         self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        runs: "SlotRuns | None" = None,
+        runs: SlotRuns | None = None,
     ) -> None:
         """Store K/V `[n, kv_heads, head_dim]` of one layer at flat token rows
         `rows[n]` (row = slot * block_tokens + offset). `runs` (`slot_runs(rows)`,
         computed once for all layers) lets whole slots in a row be written as
         slices (one memcpy each) instead of row by row."""
         runs = runs if runs is not None else self.slot_runs(rows)
+        if self.layer_params is not None:
+            kv = quantize_with(torch.stack([key, value]), self.layer_params[:, layer], token_dim=1)
+            self._write_raw(rows, kv.unsqueeze(1), runs, slice(layer, layer + 1))
+            return
         if self.scales is not None:
             self._write_fp8(rows, torch.stack([key, value], dim=1).unsqueeze(2), runs, layer)
             return
@@ -189,7 +198,7 @@ class HostPool:
             self.data[slots, 0, layer, offsets] = key[rest].to(self.data.dtype)
             self.data[slots, 1, layer, offsets] = value[rest].to(self.data.dtype)
 
-    def write_rows_all_layers(self, rows: torch.Tensor, kv: torch.Tensor, runs: "SlotRuns | None" = None) -> None:
+    def write_rows_all_layers(self, rows: torch.Tensor, kv: torch.Tensor, runs: SlotRuns | None = None) -> None:
         """Store K/V of every layer, `kv [2, num_layers, n, kv_heads, head_dim]`
         (K then V, the order of a slot's own layout), at flat token rows
         `rows[n]`: `write_rows` for all layers in one copy per run of whole
@@ -198,21 +207,50 @@ class HostPool:
         bytes and scales come to the host, synchronously), the other rows are
         copied over into their blocks' tails."""
         runs = runs if runs is not None else self.slot_runs(rows)
-        if self.scales is not None:
+        if self.layer_params is not None:
+            self.write_fp8_rows(rows, quantize_with(kv, self.layer_params, token_dim=2), runs)
+        elif self.scales is not None:
             self._write_fp8(rows, kv.permute(2, 0, 1, 3, 4), runs, None)
-            return
+        else:
+            self._write_raw(rows, kv, runs, slice(None))
+
+    def write_fp8_rows(self, rows: torch.Tensor, kv: torch.Tensor, runs: SlotRuns | None = None) -> None:
+        """A pool over an fp8 paged cache (`layer_params`): store `kv [2,
+        num_layers, n, kv_heads, head_dim]`, the cache's own bytes (float8
+        e4m3 or their uint8 view, on the host or a device), as they are at
+        flat token rows `rows[n]`; their slots take the fixed parameters."""
+        if self.layer_params is None:
+            raise ValueError("only a pool over an fp8 paged cache stores fp8 bytes as they are")
+        runs = runs if runs is not None else self.slot_runs(rows)
+        self._write_raw(rows, kv.view(FP8_DTYPE), runs, slice(None))
+
+    def _write_raw(self, rows: torch.Tensor, kv: torch.Tensor, runs: SlotRuns, layers: slice) -> None:
+        """`kv [2, L', n, kv_heads, head_dim]` in the slots' own dtype into
+        `layers` of the slots at `rows`: a copy per run of whole slots, one
+        for the other rows. A pool with `layer_params` sets its slots'
+        parameters too."""
         bt = self.block_tokens
+        raw = self.data if self.data.dtype != FP8_DTYPE else self.data.view(torch.uint8)  # indexed writes
+        kv = kv.to(self.data.dtype).cpu()
+        kv = kv.view(torch.uint8) if kv.dtype == FP8_DTYPE else kv
         for begin, first_slot, count in runs.whole:
-            part = kv[:, :, begin : begin + count * bt]  # [2, L, count * bt, H, D]
+            part = kv[:, :, begin : begin + count * bt]  # [2, L', count * bt, H, D]
             part = part.reshape(*part.shape[:2], count, bt, *part.shape[3:])
-            self.data[first_slot : first_slot + count] = part.permute(2, 0, 1, 3, 4, 5)
+            raw[first_slot : first_slot + count, :, layers] = part.permute(2, 0, 1, 3, 4, 5)
         rest = runs.rest
         if len(rest):
             slots, offsets = rows[rest] // bt, rows[rest] % bt
-            # advanced indices around two slices: the indexed view is [n, 2, L, H, D]
-            self.data[slots, :, :, offsets] = kv[:, :, rest].permute(2, 0, 1, 3, 4).to(self.data.dtype)
+            # advanced indices around slices: the indexed view is [n, 2, L', H, D]
+            raw[:, :, layers][slots, :, :, offsets] = kv[:, :, rest].permute(2, 0, 1, 3, 4)
+        if self.layer_params is not None:
+            self.take_layer_params(rows)
 
-    def _write_fp8(self, rows: torch.Tensor, kv: torch.Tensor, runs: "SlotRuns", layer: int | None) -> None:
+    def take_layer_params(self, rows: torch.Tensor | np.ndarray) -> None:
+        """A pool over an fp8 paged cache: the slots of flat `rows` take the
+        fixed parameters (`layer_params`)."""
+        self.scales[torch.unique(torch.as_tensor(rows).cpu() // self.block_tokens)] = self.layer_params
+
+    def _write_fp8(self, rows: torch.Tensor, kv: torch.Tensor, runs: SlotRuns, layer: int | None) -> None:
         """fp8: store `kv [n, 2, L', kv_heads, head_dim]` (L' = every layer,
         or 1 for `layer`) at `rows`: whole slots quantized as they are, the
         other rows into their slots' tails, each layer quantized once its
@@ -327,23 +365,9 @@ class HostPool:
                     k[at] = tail.kv[0, l, off].to(k.dtype)
                     v[at] = tail.kv[1, l, off].to(v.dtype)
 
-    def slot_runs(self, rows: torch.Tensor) -> "SlotRuns":
-        """Split `rows` into runs of whole consecutive slots, each given in
-        order (offsets 0..block_tokens-1, slot after slot), and the rest."""
-        bt = self.block_tokens
-        r = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64)
-        whole: list[tuple[int, int, int]] = []
-        rest: list[np.ndarray] = []
-        for start, first, length in runs(r):  # rows that follow each other, across slots
-            head = min((-first) % bt, length)  # rows before the run's first slot boundary
-            slots = (length - head) // bt
-            if not slots:
-                rest.append(np.arange(start, start + length))
-                continue
-            whole.append((start + head, (first + head) // bt, slots))
-            rest += [np.arange(start, start + head), np.arange(start + head + slots * bt, start + length)]
-        rest_idx = torch.from_numpy(np.concatenate(rest)) if rest else torch.zeros(0, dtype=torch.int64)
-        return SlotRuns(whole, rest_idx)
+    def slot_runs(self, rows: torch.Tensor) -> SlotRuns:
+        """`rows` split into runs of whole consecutive slots and the rest (`slot_runs.whole_slots`)."""
+        return whole_slots(rows, self.block_tokens)
 
     def read_rows(self, layer: int, rows: torch.Tensor,
                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,11 +52,11 @@ import torch
 from vllm_sekv import compat, model_identity
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.worker_side.coarse_attention import CoarseAttention, StepRows
-from vllm_sekv.protocol.metadata import SekvMetadata, SekvWorkerMeta, host_slots
+from vllm_sekv.protocol.metadata import SekvMetadata, SekvWorkerMeta, host_slots, keeps_cache_bytes
 from vllm_sekv.protocol import head_start
 from vllm_sekv.worker_side.device_reports import RestoreTiming, SlotCheck, count_settled
 from vllm_sekv.worker_side.index_feed import IndexFeed
-from vllm_sekv.worker_side.forward_capture import ForwardCapture, paged_cache_views
+from vllm_sekv.worker_side.forward_capture import ForwardCapture, fp8_cache_params
 from vllm_sekv.worker_side.host_restores import HostRestores, restore_ranks
 from vllm_sekv.worker_side.probes import ProbeScorer
 from vllm_sekv.worker_side.device_restores import DeviceRestores
@@ -146,16 +146,19 @@ class SekvWorkerSide:
         rank = {layer: i for i, layer in enumerate(layers)}
         self.layer_of = {name: rank[idx] for name, idx in self.layer_of.items()}
         device = next(iter(kv_caches.values())).device
+        # an fp8 paged cache's bytes kept as they are: every layer's fixed scales
+        fixed = (fp8_cache_params(self.vllm_config, self.layer_of, geo)
+                 if keeps_cache_bytes(self.config, self.vllm_config) else None)
         try:
             self.pool = HostPool(self.num_slots, geo.num_layers, self.config.block_tokens, geo.kv_heads,
                                  geo.head_dim, geo.dtype, pin_memory=device.type == "cuda",
-                                 codec=self.config.workspace_codec)
+                                 codec=self.config.workspace_codec, layer_params=fixed)
         except RuntimeError as e:  # page-locking the tier failed (CUDA), or no memory for it
             raise RuntimeError(f"sekv config 'host_bytes': the host tier of {self.config.host_bytes} bytes "
                                f"could not be allocated and pinned ({e}); lower host_bytes") from e
         self.capture_writer = CaptureWriter(self.pool, device)
         self.capture = ForwardCapture(self.pool, self.capture_writer, geo, self.rope, self.config.block_tokens,
-                                      self.stats, paged_cache_views(kv_caches, self.layer_of, geo, geo.dtype))
+                                      self.stats, kv_caches, self.layer_of)
         if device.type == "cuda":
             if self.config.restore_mode == "layerwise" and not cudart.available():
                 raise ValueError("sekv config 'restore_mode': layerwise needs the CUDA runtime library "
