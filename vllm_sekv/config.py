@@ -273,9 +273,10 @@ class SekvConfig:
     # host->device copy and of an NVMe record; lossy (each element within
     # 2**-4 of itself, or 2**-10 of its group's amax / 448 when tiny).
     # Records and the NVMe folder carry the codec: another codec's blocks are
-    # misses. Not with `remote_url`, a lossy `restore_codec`, or a paged
-    # cache that is already fp8 (`--kv-cache-dtype fp8`, refused when the
-    # model is known).
+    # misses. Over an e4m3 paged cache (`--kv-cache-dtype fp8`) the tier
+    # keeps the bytes the cache holds, under its per-layer scales. Not with
+    # `remote_url`, a lossy `restore_codec`, or another quantized paged cache
+    # (refused when the model is known).
     workspace_codec: str = "exact"
 
     _SIZES = ("host_bytes", "nvme_bytes", "resident_bytes")

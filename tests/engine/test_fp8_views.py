@@ -2,7 +2,8 @@
 reader session of `views_session.py` (as `test_views_serve.py` serves it from
 the exact workspace) with `workspace_codec` fp8. Every view is restored from
 fp8 K/V, keys re-RoPE'd to the view's positions: the pass key, more than the
-native window back, is selected and answered."""
+native window back, is selected and answered. Over an fp8 paged cache
+(`--kv-cache-dtype fp8`) the same, from the cache's own bytes."""
 import pytest
 
 from test_views_serve import ENV, VLLM_ARGS
@@ -22,5 +23,23 @@ def test_a_view_from_the_fp8_workspace_answers_a_fact_beyond_the_native_window(s
     block, distance = needle_block(tok, eval_tasks, task)
     assert distance > NATIVE_WINDOW
     assert sekv(answer)["prefilled_tokens"] < 200  # the view was restored, not recomputed
+    assert block in sekv(answer)["view"]["selected_blocks"]
+    assert eval_tasks.is_correct(task.answer, answer["choices"][0]["message"]["content"]), answer["choices"]
+
+
+@pytest.fixture(scope="module")
+def session_over_fp8_cache(model_dir, eval_tasks):
+    return run_reader_session(model_dir, eval_tasks, {"workspace_codec": "fp8"},
+                              VLLM_ARGS + ["--kv-cache-dtype", "fp8"], ENV)
+
+
+def test_over_an_fp8_kv_cache_a_view_of_the_caches_own_bytes_answers_the_same_fact(session_over_fp8_cache,
+                                                                                    eval_tasks):
+    """`--kv-cache-dtype fp8`: the workspace keeps the cache's bytes, and a
+    view restores them with keys dequantized, re-RoPE'd and rounded again
+    to the layer scale; the pass key is selected and answered as above."""
+    tok, task, _, _, answer, _ = session_over_fp8_cache
+    block, _ = needle_block(tok, eval_tasks, task)
+    assert sekv(answer)["prefilled_tokens"] < 200
     assert block in sekv(answer)["view"]["selected_blocks"]
     assert eval_tasks.is_correct(task.answer, answer["choices"][0]["message"]["content"]), answer["choices"]

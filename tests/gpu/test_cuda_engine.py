@@ -118,6 +118,28 @@ def test_under_an_fp8_kv_cache_outputs_equal_plain_vllm_and_the_history_is_resto
 
 
 @pytest.mark.parametrize("restore_mode", ["layerwise", "batched"])
+def test_over_an_fp8_kv_cache_an_fp8_workspace_moves_the_caches_bytes(tmp_path, model_dir, essay, restore_mode):
+    """`--kv-cache-dtype fp8` with `workspace_codec` fp8: the host tier keeps
+    the bytes the paged cache holds (read through byte views of
+    FlashAttention's layout), a restore moves them and their parameters and
+    writes their values back through the cache-update op, which maps each
+    e4m3 value to itself: greedy outputs equal vLLM's own fp8 prefix cache's."""
+    warm = run_session(tmp_path, model_dir, essay, None, reset=False, kv_cache_dtype="fp8")
+    sekv = {**SEKV, "restore_mode": restore_mode, "workspace_codec": "fp8"}
+    turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]
+    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 24, "salt": "tenant-a",
+            "other_salt": "tenant-b", "dtype": "bfloat16", "reset": True, "metrics": True, "kv_cache_dtype": "fp8"}
+    fp8 = run_runner("session_runner.py", spec, tmp_path, f"sekv-{restore_mode}-fp8-cache-bytes")
+    for w, s in zip(warm["steps"], fp8["steps"]):
+        assert s["output_token_ids"] == w["output_token_ids"]
+        assert s["num_cached_tokens"] == w["num_cached_tokens"]
+    m = fp8["metrics"]
+    per_token = m["vllm:sekv_restored_bytes"] / m["vllm:sekv_restored_tokens"]
+    fp8_per_token = HostPool.bytes_per_block(30, BLOCK_TOKENS, 3, 64, torch.bfloat16, "fp8") / BLOCK_TOKENS
+    assert per_token == pytest.approx(fp8_per_token, rel=0.01)
+
+
+@pytest.mark.parametrize("restore_mode", ["layerwise", "batched"])
 def test_an_fp8_workspace_restores_the_history_moving_its_fp8_bytes(tmp_path, runs, model_dir, essay, restore_mode):
     """`workspace_codec` fp8 on CUDA: the same history is restored from the
     fp8 host tier (captures quantized where they are, restores dequantized on

@@ -1,8 +1,11 @@
 """A capture over an fp8 paged cache (`--kv-cache-dtype fp8` with
 `workspace_codec` fp8), through the worker's `ForwardCapture` on the CPU with
 vLLM's own cache-update op writing the caches: the pool keeps the bytes the
-cache holds, keys a capture moves are rounded once to the layer scale, a
-restore through the op gives back the cache's values, and a cache whose
+cache holds, rows whose keys a capture moves are rounded once from the
+attention layer's K/V, a
+restore through the op gives back the cache's values, a restore through the
+checked byte views gives back its bytes (moved keys rounded to nearest once
+more), and a cache whose
 layout the byte views do not know (the `amx` kernels') is noticed at the
 first capture and captured from the attention layer's K/V instead, rounded to
 the layer scales."""
@@ -18,6 +21,7 @@ from vllm_sekv.store import HostPool
 from vllm_sekv.store.capture import CaptureWriter
 from vllm_sekv.store.fp8 import FP8_DTYPE, cache_params
 from vllm_sekv.worker_side.forward_capture import ForwardCapture
+from vllm_sekv.worker_side.host_restores import HostRestores
 from vllm_sekv.workspace.step_plan import StepPlan
 
 LAYERS, BT, HEADS, D, PAGE, PAGES = 3, 16, 2, 64, 32, 6
@@ -25,8 +29,11 @@ ROPE = RopeSpec(inv_freq=1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.fl
 K_SCALES, V_SCALES = [1.0, 0.5, 2.0], [1.0, 1.0, 0.25]
 
 ops = pytest.importorskip("vllm._custom_ops")
-pytestmark = pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
-                                reason="vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"), reason="needs vLLM's CPU build"),
+    pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+                       reason="vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache"),
+]
 
 
 def _write(cache, key, value, slots, layer, isa):
@@ -63,7 +70,7 @@ def _forward(isa, dtype, deltas=None):
     capture.flush(plan, forward_begun=True)
     views = [compat.paged_kv_byte_views(caches[name], HEADS, D) for name in caches]
     stored = [(k[slots // PAGE, slots % PAGE], v[slots // PAGE, slots % PAGE]) for k, v in views]
-    return pool, capture, host_rows, slots, kv, stored
+    return pool, capture, host_rows, slots, kv, stored, geometry
 
 
 def _pool_bytes(pool, host_rows):
@@ -72,7 +79,7 @@ def _pool_bytes(pool, host_rows):
 
 
 def test_the_pool_keeps_the_bytes_the_fp8_cache_holds():
-    pool, capture, host_rows, _, _, stored = _forward("vec", torch.float32)
+    pool, capture, host_rows, _, _, stored, _ = _forward("vec", torch.float32)
     assert capture.bytes_checked and capture.take_failed() == set()
     got = _pool_bytes(pool, host_rows)
     for layer, (key, value) in enumerate(stored):
@@ -87,7 +94,7 @@ def test_a_restore_through_the_cache_update_op_gives_back_the_caches_values():
     """What `HostRestores` does: rows read (dequantized with the layer scale)
     and written through the platform's op; e4m3 values map to themselves (a
     zero's sign aside: vLLM stores -0.0 as 0)."""
-    pool, _, host_rows, slots, _, stored = _forward("vec", torch.float32)
+    pool, _, host_rows, slots, _, stored, _ = _forward("vec", torch.float32)
     for layer in range(LAYERS):
         key, value = pool.read_rows(layer, torch.from_numpy(host_rows), torch.float32)
         fresh = torch.zeros(PAGES, HEADS, 2 * PAGE, D, dtype=torch.uint8)
@@ -98,22 +105,45 @@ def test_a_restore_through_the_cache_update_op_gives_back_the_caches_values():
             assert torch.equal(got.view(FP8_DTYPE).float(), want.view(FP8_DTYPE).float())
 
 
-def test_keys_a_capture_moves_are_rotated_and_rounded_to_the_layer_scale():
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_restore_through_the_checked_byte_views_writes_the_bytes_back(moved):
+    pool, capture, host_rows, slots, _, stored, geometry = _forward("vec", torch.float32)
+    assert capture.bytes_checked
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(PAGES, HEADS, 2 * PAGE, D, dtype=torch.uint8)
+              for i in range(LAYERS)}
+    restores = HostRestores(pool, geometry, ROPE, BT, caches, {name: i for i, name in enumerate(caches)}, [])
+    target = torch.randperm(PAGES * PAGE, generator=torch.Generator().manual_seed(1))[:len(host_rows)]
+    deltas = np.full(len(host_rows), -9, dtype=np.int64) if moved else None
+    restores.restore(None, target.numpy(), host_rows, deltas, cache_bytes=True)
+    for layer, name in enumerate(caches):
+        k, v = compat.paged_kv_byte_views(caches[name], HEADS, D)
+        key, want = k[target // PAGE, target % PAGE], stored[layer][0]
+        if moved:
+            scale = K_SCALES[layer]
+            want = rotate_keys(want.view(FP8_DTYPE).float() * scale, torch.from_numpy(deltas), ROPE) / scale
+            want = want.clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8)
+        assert torch.equal(key, want)
+        assert torch.equal(v[target // PAGE, target % PAGE], stored[layer][1])
+
+
+def test_rows_a_capture_moves_are_rotated_from_the_attention_layers_kv_and_rounded_once():
+    """A view step's new tokens, computed at compact positions: rotating the
+    cache's bytes would round twice; their K/V come from the attention layer."""
     deltas = np.full(40, 7, dtype=np.int64)
-    pool, _, host_rows, _, _, stored = _forward("vec", torch.float32, deltas)
+    pool, capture, host_rows, _, kv, _, _ = _forward("vec", torch.float32, deltas)
+    assert capture.byte_views is not None and not capture.bytes_checked  # views kept, not used for these rows
     got = _pool_bytes(pool, host_rows)
-    for layer, (key, value) in enumerate(stored):
-        scale = K_SCALES[layer]
-        want = rotate_keys(key.view(FP8_DTYPE).float() * scale, torch.from_numpy(deltas), ROPE) / scale
-        want = want.clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8)
-        assert torch.equal(got[:, 0, layer], want)
-        assert torch.equal(got[:, 1, layer], value)  # values never move
+    for layer in range(LAYERS):
+        key = rotate_keys(kv[layer, 0], torch.from_numpy(deltas), ROPE)
+        for i, (x, scale) in enumerate(((key, K_SCALES[layer]), (kv[layer, 1], V_SCALES[layer]))):
+            want = (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8)
+            assert torch.equal(got[:, i, layer], want)
 
 
 def test_an_unknown_cache_layout_falls_back_to_the_attention_layers_kv():
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("needs vLLM's amx kernels, whose K layout the byte views do not know")
-    pool, capture, host_rows, _, kv, _ = _forward("amx", torch.bfloat16)
+    pool, capture, host_rows, _, kv, _, _ = _forward("amx", torch.bfloat16)
     assert capture.byte_views is None and capture.take_failed() == set()
     got = _pool_bytes(pool, host_rows)
     for layer in range(LAYERS):

@@ -51,9 +51,9 @@ positions and stores the buffer at the capture's host rows:
 * Elsewhere: synchronously (`HostPool.write_rows_all_layers`; under fp8 the
   pool fails a non-finite block's slot at once, `take_failed_slots`).
 
-Keys a capture moves (`deltas`) are rotated in the buffer's dtype, or for
-cache bytes dequantized with the layer scales, rotated in float32 and
-rounded back to them (`store.fp8.quantize_with`).
+Keys a capture moves (`deltas`) are rotated in the buffer's dtype; a
+capture of cache bytes moves none (rows that move are captured from the
+attention layer's K/V and rounded once, after the rotation).
 
 A capture that did not see every layer is never written: `write` returns
 False and the caller fails its slots (never store a partial block).
@@ -65,7 +65,7 @@ import torch
 
 from vllm_sekv.ops import gather_rerope, rotate_keys, rotate_layer_keys_
 from vllm_sekv.store import cudart
-from vllm_sekv.store.fp8 import FP8_DTYPE, dequantize, quantize_with
+from vllm_sekv.store.fp8 import quantize_with
 from vllm_sekv.store.fp8_capture import Fp8StreamWriter
 from vllm_sekv.store.host_pool import HostPool
 from vllm_sekv.store.slot_runs import runs
@@ -176,12 +176,8 @@ class CaptureWriter:
         params = self.pool.layer_params
         if capture.deltas is not None:
             if capture.cache_bytes:
-                at = params[0].to(kv.device)  # [L, H, 1 + D]: each layer's K scale
-                keys = dequantize(kv[0].view(FP8_DTYPE), at, token_dim=1)
-                rotate_layer_keys_(keys, capture.deltas, rope)
-                kv[0] = quantize_with(keys, at, token_dim=1).view(torch.uint8)
-            else:
-                rotate_layer_keys_(kv[0], capture.deltas, rope)
+                raise ValueError("a capture of fp8 cache bytes cannot move keys: capture their K/V instead")
+            rotate_layer_keys_(kv[0], capture.deltas, rope)
         if self.stream is None:
             # fp8 pools quantize whole slots where the capture is: the host writes
             for reader in self._readers:

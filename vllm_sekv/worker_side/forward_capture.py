@@ -16,6 +16,11 @@ Two ways to read them, chosen per step:
   the attention layer's own K/V within one e4m3 step. Where they do not (an
   unknown layout), the hook's K/V are captured and rounded to the layer
   scales by sekv: the same values within one e4m3 step, not the same bytes.
+  So are the rows of a capture whose keys move (a view step's new tokens,
+  computed at compact positions): rotated from the attention layer's own
+  keys and rounded once. Rotating the cache's bytes would round them twice,
+  and vLLM's CPU kernels truncate: on SmolLM2 that lost the 16K view's pass
+  key, which one rounding keeps (`tests/engine/test_fp8_views.py`).
 
 A planned row that cannot be captured fails its host slot: the block is never
 committed (a miss, recomputed), never stale KV. Under `workspace_codec` fp8
@@ -156,7 +161,8 @@ class ForwardCapture:
         if not len(rows):
             return
         deltas = plan.capture_rope_deltas[found] if len(plan.capture_rope_deltas) else None
-        if self.byte_views is not None:  # an fp8 cache's bytes, read layer by layer, by paged slot
+        moved = deltas is not None and bool(deltas.any())
+        if self.byte_views is not None and not moved:  # an fp8 cache's bytes, read layer by layer, by slot
             if not self.bytes_checked:
                 self._check_rows = to_device(rows, device)
             slots = to_device(plan.capture_paged_slots[found], device)

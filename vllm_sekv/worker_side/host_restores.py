@@ -1,6 +1,12 @@
 """Restores the host performs itself: every restore on CPU, and on any device
 the lossy ones (SeKV `restore_codec`), whose slots are rebuilt from low-rank
-factors. Every write goes through the platform's own cache-update op.
+factors. Every write goes through the platform's own cache-update op, but
+for a pool that keeps an fp8 paged cache's bytes (`HostPool.layer_params`)
+once the capture has checked its byte views of the caches: those bytes are
+then written back as they are, and keys a view moves are dequantized,
+rotated in float32 and rounded to the nearest e4m3 at the layer scale (the
+cache-update op would round a second time its own way: vLLM's CPU kernels
+truncate, which shrinks every moved key).
 
 Runs on the worker's forward thread, before the forward. Reads the host pool;
 writes vLLM's paged caches at the plan's slots, and the low-rank tiers'
@@ -19,6 +25,7 @@ from vllm_sekv.index.router import FULL_RANK
 from vllm_sekv.model_identity import KVGeometry
 from vllm_sekv.ops import RopeSpec, rotate_keys
 from vllm_sekv.store import HostPool
+from vllm_sekv.store.fp8 import FP8_DTYPE, dequantize, quantize_with
 from vllm_sekv.store.host_pool import to_device
 from vllm_sekv.store.codecs import LowRankCodec, parse_codec
 from vllm_sekv.store.lowrank_tier import LowRankTier
@@ -69,12 +76,18 @@ class HostRestores:
                 tier.drop(slot)
 
     def restore(self, forward_context: Any, paged_slots: np.ndarray, host_rows: np.ndarray,
-                rope_deltas: np.ndarray | None) -> None:
+                rope_deltas: np.ndarray | None, cache_bytes: bool = False) -> None:
         """Write host rows into the paged caches at `paged_slots`, keys rotated
-        by `rope_deltas` (None: not moved), one layer at a time."""
+        by `rope_deltas` (None: not moved), one layer at a time. `cache_bytes`:
+        the caches' fp8 byte views are trusted (`ForwardCapture.bytes_checked`);
+        a pool of such bytes then writes them as they are."""
         rows = torch.from_numpy(host_rows)
         deltas = None if rope_deltas is None else torch.from_numpy(rope_deltas)
         for name, kv_cache in self.kv_caches.items():
+            views = compat.paged_kv_byte_views(kv_cache, self.geometry.kv_heads, self.geometry.head_dim)
+            if cache_bytes and self.pool.layer_params is not None and views is not None:
+                self._write_bytes(views, self.layer_of[name], rows, torch.from_numpy(paged_slots), deltas)
+                continue
             layer = compat.attention_layer(forward_context, name)
             # fp8 pools: dequantized and rotated in float32, rounded once to the model dtype
             wide = torch.float32 if self.pool.scales is not None else None
@@ -84,6 +97,24 @@ class HostRestores:
             key, value = key.to(self.pool.dtype), value.to(self.pool.dtype)
             slots = torch.from_numpy(paged_slots).to(kv_cache.device)
             layer.impl.write_kv(layer, key.to(kv_cache.device), value.to(kv_cache.device), kv_cache, slots)
+
+    def _write_bytes(self, views: tuple[torch.Tensor, torch.Tensor], layer: int, rows: torch.Tensor,
+                     paged_slots: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        """Layer `layer`'s fp8 bytes at host `rows` into its cache's byte
+        `views` at `paged_slots`; moved keys rounded again (module doc)."""
+        keep = paged_slots >= 0  # -1: not written (as the cache-update op skips it)
+        rows, paged_slots = rows[keep], paged_slots[keep]
+        slots, offsets = rows // self.block_tokens, rows % self.block_tokens
+        data = self.pool.data.view(torch.uint8)
+        key, value = data[slots, 0, layer, offsets], data[slots, 1, layer, offsets]  # [n, H, D]
+        if deltas is not None:
+            params = self.pool.scales[slots, 0, layer]  # [n, H, 1 + D]; each row a "token" dim of one
+            moved = rotate_keys(dequantize(key.view(FP8_DTYPE).unsqueeze(1), params, token_dim=1).squeeze(1),
+                                deltas[keep], self.rope)
+            key = quantize_with(moved.unsqueeze(1), params, token_dim=1).squeeze(1).view(torch.uint8)
+        pages, at = paged_slots // views[0].shape[1], paged_slots % views[0].shape[1]
+        views[0][pages, at] = key
+        views[1][pages, at] = value
 
     def exact_rows(self, host_rows: np.ndarray, rope_deltas: np.ndarray | None,
                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:

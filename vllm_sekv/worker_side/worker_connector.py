@@ -270,7 +270,8 @@ class SekvWorkerSide:
                 if op.lowrank:
                     moved, self._restored_keys[op.req_id] = self.host_restores.restore_lowrank(forward_context, op)
                 else:
-                    self.host_restores.restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas)
+                    self.host_restores.restore(forward_context, op.paged_slots, op.host_rows, op.rope_deltas,
+                                               cache_bytes=self.capture.bytes_checked)
                     moved = len(op.host_rows) * row_bytes
                 self._restore_seconds[op.req_id] = time.perf_counter() - t0
                 self.stats.add("restore_seconds", self._restore_seconds[op.req_id])
