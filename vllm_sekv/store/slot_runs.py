@@ -3,7 +3,8 @@ host-tier rows or slots is batched by (one memcpy, one DMA, one slice
 assignment per run).
 
 A run is `(start, first, length)`: the index of its first element, that
-element's value, and how many elements it spans. Pure numpy (`whole_slots` takes and gives torch index tensors).
+element's value, and how many elements it spans. Pure numpy; `whole_slots`
+(host rows split into runs of whole slots) gives torch index tensors.
 """
 from __future__ import annotations
 
