@@ -16,9 +16,9 @@ Two ways to read them, chosen per step:
   the attention layer's own K/V within one e4m3 step. Where they do not (an
   unknown layout), the hook's K/V are captured and rounded to the layer
   scales by sekv: the same values within one e4m3 step, not the same bytes.
-  So are the rows of a capture whose keys move (a view step's new tokens,
-  computed at compact positions): rotated from the attention layer's own
-  keys and rounded once. Rotating the cache's bytes would round them twice,
+  So are the rows of a capture that moves keys (a view step's new tokens,
+  computed at compact positions; all its rows): rotated from the attention
+  layer's own keys and rounded once. Rotating the cache's bytes would round them twice,
   and vLLM's CPU kernels truncate: on SmolLM2 that lost the 16K view's pass
   key, which one rounding keeps (`tests/engine/test_fp8_views.py`).
 
