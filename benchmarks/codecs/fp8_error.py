@@ -11,6 +11,14 @@ is then quantized exactly as the fp8 host pool does (``vllm_sekv.store.fp8``:
 e4m3 with one scale per block, K or V, layer and KV head, around a centre in
 the channels whose block mean is a bias) and dequantized.
 
+Over an fp8 paged cache (`--kv-cache-dtype fp8`, the workspace keeping the
+cache's own bytes) the error is the cache's, at vLLM's default per-layer
+scale 1.0: measured as vLLM's CPU cache-update op rounds (read back through
+the byte views the worker captures with) and to nearest (as CUDA rounds).
+And for keys a step moves (computed at a compact position, stored at their
+own): rounded by the cache, dequantized, rotated and rounded again, against
+rotated from the exact key and rounded once (`--moved-by` positions).
+
 Reported, per text and overall: relative Frobenius error of K and of V per
 (block, layer, KV head), mean and p90, and the largest element error relative
 to its group's amax; the relative error of the attention output of the last
@@ -58,6 +66,65 @@ def fp8_round_trip(x: torch.Tensor, block_tokens: int) -> torch.Tensor:
     return dequantize(q, params, token_dim=2).reshape(num_layers, total, heads, dim)
 
 
+def vllm_cpu_cache_round_trip(x: torch.Tensor, page_tokens: int = 32) -> torch.Tensor | None:
+    """x [L, T, H, D] written by vLLM's CPU cache-update op into an fp8 paged
+    cache (scale 1.0, its `vec` kernels) and read back through the worker's
+    byte views -> float32; None without vLLM's CPU build."""
+    try:
+        import vllm._custom_ops as ops
+        if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+            return None
+    except ImportError:
+        return None
+    from vllm_sekv import compat
+
+    num_layers, total, heads, dim = x.shape
+    pages = -(-total // page_tokens)
+    slots = torch.arange(total)
+    out = torch.empty_like(x, dtype=torch.float32)
+    for layer in range(num_layers):
+        cache = torch.zeros(pages, heads, 2 * page_tokens, dim, dtype=torch.uint8)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(x[layer], x[layer], key_cache, value_cache, slots, "vec",
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp8")
+        keys, _ = compat.paged_kv_byte_views(cache, heads, dim)
+        out[layer] = keys[slots // page_tokens, slots % page_tokens].view(fp8.FP8_DTYPE).float()
+    return out
+
+
+def nearest_cache_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [L, T, H, D] rounded to the nearest e4m3 at scale 1.0 (CUDA's cache rounding) -> float32."""
+    num_layers, _, heads, dim = x.shape
+    params = fp8.cache_params([1.0] * num_layers, [1.0] * num_layers, heads, dim)[0]  # [L, H, 1 + D]
+    return dequantize(fp8.quantize_with(x, params, token_dim=1), params, token_dim=1)
+
+
+def cache_errors(k_post, v, k_pre, q, rope, hist: int, moved_by: int) -> dict[str, list[float]]:
+    """Attention output's relative error per layer with the history's K/V as
+    an fp8 paged cache holds them; and of keys moved by `moved_by` positions,
+    rounded twice (by vLLM's CPU op at the compact position, then to nearest
+    after the rotation) or once (rotated exact, rounded to nearest)."""
+    num_layers = k_post.shape[0]
+    hk, hv = k_post[:, :hist].float(), v[:, :hist].float()
+    out: dict[str, list[float]] = {}
+    ref = [attention(q[l], k_post[l].float(), v[l].float(), hist) for l in range(num_layers)]
+
+    def err(keys, values):
+        return [rel(attention(q[l], torch.cat([keys[l], k_post[l, hist:].float()]),
+                              torch.cat([values[l], v[l, hist:].float()]), hist), ref[l]) for l in range(num_layers)]
+    cpu_k, cpu_v = vllm_cpu_cache_round_trip(hk), vllm_cpu_cache_round_trip(hv)
+    if cpu_k is not None:
+        out["vllm_cpu_op"] = err(cpu_k, cpu_v)
+        compact = torch.arange(hist) - moved_by
+        at_compact = torch.stack([rotate_keys(k_pre[l, :hist], compact, rope) for l in range(num_layers)])
+        cached = vllm_cpu_cache_round_trip(at_compact.to(k_post.dtype).float())
+        moved = torch.stack([rotate_keys(cached[l], torch.full((hist,), moved_by), rope) for l in range(num_layers)])
+        out["moved_twice"] = err(nearest_cache_round_trip(moved), cpu_v)
+        out["moved_once"] = err(nearest_cache_round_trip(hk), cpu_v)
+    out["nearest"] = err(nearest_cache_round_trip(hk), nearest_cache_round_trip(hv))
+    return out
+
+
 def group_errors(x_hat: torch.Tensor, x: torch.Tensor, block_tokens: int) -> dict[str, list[float]]:
     """Per (layer, block, head): relative Frobenius error; largest element error / group amax."""
     num_layers, total, heads, dim = x.shape
@@ -73,7 +140,7 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(t.mean()), "p90": float(t.quantile(0.9)), "max": float(t.max())}
 
 
-def analyze(text: dict, dtype: torch.dtype, block_tokens: int, new_tokens: int) -> dict:
+def analyze(text: dict, dtype: torch.dtype, block_tokens: int, new_tokens: int, moved_by: int | None = None) -> dict:
     k_pre, values, q_pre = text["k_pre"], text["values"], text["q_pre"]
     num_layers, total, heads, dim = k_pre.shape
     hist = (total - new_tokens) // block_tokens * block_tokens
@@ -86,15 +153,19 @@ def analyze(text: dict, dtype: torch.dtype, block_tokens: int, new_tokens: int) 
     ke = group_errors(k_hat, k_post[:, :hist].float(), block_tokens)
     ve = group_errors(v_hat, v[:, :hist].float(), block_tokens)
     q_start = total - new_tokens
-    attn = []
+    attn, queries = [], []
     for l in range(num_layers):
         q = rotate_keys(q_pre[l], pos[hist:hist + new_tokens] if q_start == hist else torch.arange(hist, total_used),
                         rope)
+        queries.append(q)
         ref = attention(q, k_post[l].float(), v[l].float(), hist)
         got = attention(q, torch.cat([k_hat[l], k_post[l, hist:].float()]), torch.cat([v_hat[l], v[l, hist:].float()]),
                         hist)
         attn.append(rel(got, ref))
-    return {"seed": text["seed"], "hist_tokens": hist, "k": ke, "v": ve, "attn": attn}
+    result = {"seed": text["seed"], "hist_tokens": hist, "k": ke, "v": ve, "attn": attn}
+    if moved_by is not None:
+        result["cache"] = cache_errors(k_post, v, k_pre, queries, rope, hist, moved_by)
+    return result
 
 
 def main() -> None:
@@ -107,6 +178,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache-dir", default=".cache/lowrank_study")
     ap.add_argument("--gates", type=float, nargs="*", default=[0, 1, 2, 4, 8, float("inf")])
+    ap.add_argument("--moved-by", type=int, default=1000,
+                    help="positions a moved key travels in the fp8 paged cache comparison")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fp8_codec", "report"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,7 +187,7 @@ def main() -> None:
     t0 = time.time()
     texts = load_texts(args)
     dtype = getattr(torch, args.dtype)
-    per_text = [analyze(t, dtype, args.block_tokens, args.new_tokens) for t in texts]
+    per_text = [analyze(t, dtype, args.block_tokens, args.new_tokens, args.moved_by) for t in texts]
     by_gate, codec_gate = {}, fp8.CENTRE_GATE
     for gate in args.gates:
         fp8.CENTRE_GATE = gate
@@ -132,6 +205,8 @@ def main() -> None:
         "attn_rel": stats([x for t in per_text for x in t["attn"]]),
         "bytes_per_token": {"exact": bytes_exact, "fp8": bytes_fp8, "ratio": bytes_fp8 / bytes_exact},
         "attn_rel_by_centre_gate": by_gate,
+        "attn_rel_fp8_paged_cache": {name: stats([x for t in per_text for x in t["cache"][name]])
+                                     for name in per_text[0]["cache"]},
     }
     command = H.command(__file__, prefix="OMP_NUM_THREADS=1 python")
     res = {"command": command, "meta": H.meta(command), "args": vars(args),
@@ -144,7 +219,13 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     json.dump(res, open(args.out + ".json", "w"), indent=1)
     rows = [f"| {name} | {s['mean']:.4f} | {s['p90']:.4f} | {s['max']:.4f} |"
-            for name, s in summary.items() if name not in ("bytes_per_token", "attn_rel_by_centre_gate")]
+            for name, s in summary.items()
+            if name not in ("bytes_per_token", "attn_rel_by_centre_gate", "attn_rel_fp8_paged_cache")]
+    labels = {"vllm_cpu_op": "as vLLM's CPU cache-update op rounds", "nearest": "rounded to nearest (CUDA)",
+              "moved_twice": f"keys moved {args.moved_by} positions, rounded twice (the cache's bytes rotated)",
+              "moved_once": f"keys moved {args.moved_by} positions, rounded once (rotated from exact keys)"}
+    cache_rows = [f"| {labels[name]} | {s['mean']:.4f} | {s['p90']:.4f} | {s['max']:.4f} |"
+                  for name, s in summary["attn_rel_fp8_paged_cache"].items()]
     gates = [f"| {g}{' (the codec)' if float(g) == codec_gate else ''} | {s['mean']:.4f} | {s['p90']:.4f} | "
              f"{s['max']:.4f} |" for g, s in by_gate.items()]
     b = summary["bytes_per_token"]
@@ -154,7 +235,10 @@ def main() -> None:
              f"Host bytes per token: exact {b['exact']:.0f}, fp8 {b['fp8']:.0f} (ratio {b['ratio']:.3f}).", "",
              "Attention output's relative error by centring rule (a channel is centred where its block mean is more "
              "than GATE of its standard deviations from 0; 0: every channel, inf: none):", "",
-             "| gate | mean | p90 | max |", "|---|---|---|---|", *gates, ""]
+             "| gate | mean | p90 | max |", "|---|---|---|---|", *gates, "",
+             "An fp8 paged cache's own error, which a workspace keeping its bytes carries (scale 1.0, per layer; "
+             "attention output's relative error; moved keys with the cache's values):", "",
+             "| history K/V | mean | p90 | max |", "|---|---|---|---|", *cache_rows, ""]
     H.write_report(args.out + ".md", H.header_from(res["meta"], "fp8 workspace codec error") + table)
     print("\n".join(table))
     print(f"wrote {args.out}.json / .md in {res['elapsed_s']:.0f} s")
