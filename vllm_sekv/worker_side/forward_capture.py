@@ -18,9 +18,11 @@ Two ways to read them, chosen per step:
   scales by sekv: the same values within one e4m3 step, not the same bytes.
   So are the rows of a capture that moves keys (a view step's new tokens,
   computed at compact positions; all its rows): rotated from the attention
-  layer's own keys and rounded once. Rotating the cache's bytes would round them twice,
-  and vLLM's CPU kernels truncate: on SmolLM2 that lost the 16K view's pass
-  key, which one rounding keeps (`tests/engine/test_fp8_views.py`).
+  layer's own keys and rounded once. Rotating the cache's bytes would round
+  them twice, and vLLM's CPU kernels truncate: on SmolLM2 that nearly
+  doubles the attention output's error (`benchmarks/results/fp8_codec/`)
+  and lost the 16K view's pass key, which one rounding keeps
+  (`tests/engine/test_fp8_views.py`).
 
 A planned row that cannot be captured fails its host slot: the block is never
 committed (a miss, recomputed), never stale KV. Under `workspace_codec` fp8
