@@ -122,8 +122,9 @@ def test_over_an_fp8_kv_cache_an_fp8_workspace_moves_the_caches_bytes(tmp_path, 
     """`--kv-cache-dtype fp8` with `workspace_codec` fp8: the host tier keeps
     the bytes the paged cache holds (read through byte views of
     FlashAttention's layout), a restore moves them and their parameters and
-    writes their values back through the cache-update op, which maps each
-    e4m3 value to itself: greedy outputs equal vLLM's own fp8 prefix cache's."""
+    writes them back, layerwise through the same views, batched through the
+    cache-update op, which maps each e4m3 value to itself: greedy outputs
+    equal vLLM's own fp8 prefix cache's."""
     warm = run_session(tmp_path, model_dir, essay, None, reset=False, kv_cache_dtype="fp8")
     sekv = {**SEKV, "restore_mode": restore_mode, "workspace_codec": "fp8"}
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:5000], "\n\nTool output:\n" + essay[5000:6500]]

@@ -293,3 +293,47 @@ def test_with_a_resident_pool_a_restore_of_long_runs_goes_batched_and_is_placed_
     counts = Counts()
     assert restores.account("r", 0, counts) == 0 and counts.data["resident_blocks"] == 28
     _check(pool, caches, again)
+
+
+@pytest.mark.parametrize("deltas", [None, "moved"])
+def test_an_fp8_paged_caches_own_bytes_are_written_back_as_they_are(deltas):
+    """A pool of an fp8 paged cache's bytes (`HostPool.layer_params`), the
+    caches' byte views checked (`cache_bytes`): a layerwise restore writes
+    the pool's bytes into the pages through those views, never through the
+    cache-update op (the stand-in's would not fit these caches); keys it moves
+    are dequantized, rotated and rounded to nearest at their layer's scale.
+    Paged slots the restore does not write (-1 in its route) stay as they
+    were."""
+    from vllm_sekv import compat
+    from vllm_sekv.store.fp8 import FP8_DTYPE, cache_params
+
+    page = 8
+    scales = [1.0, 0.5, 2.0]
+    pool = HostPool(SLOTS, LAYERS, BT, HEADS, D, torch.float32, codec="fp8",
+                    layer_params=cache_params(scales, scales, HEADS, D))
+    codes = torch.randint(0, 256, (2, LAYERS, SLOTS * BT, HEADS, D), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN
+    pool.write_fp8_rows(torch.arange(SLOTS * BT), codes)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    caches = {name: torch.zeros(PAGED // page, HEADS, page, 2 * D, dtype=torch.uint8) for name in names}
+    context = SimpleNamespace(no_compile_layers={name: Layer() for name in names})
+    restores = DeviceRestores(pool, CaptureWriter(pool, torch.device("cpu")), caches,
+                              {name: i for i, name in enumerate(names)}, GEOMETRY, ROPE, BT, "layerwise",
+                              torch.device("cpu"), layerwise_copies=True)
+    op = _op(None if deltas is None else np.arange(len(_op().host_rows), dtype=np.int64) * 7 - 50)
+    assert restores.start(context, 1, [op], cache_bytes=True) == []
+    restores.finish()
+    slots, rows = torch.from_numpy(op.paged_slots), torch.from_numpy(op.host_rows)
+    for layer, name in enumerate(names):
+        keys, values = compat.paged_kv_byte_views(caches[name], HEADS, D)
+        want_k, want_v = codes[0, layer, rows], codes[1, layer, rows]
+        if deltas is not None:
+            moved = rotate_keys(want_k.view(FP8_DTYPE).float() * scales[layer], torch.from_numpy(op.rope_deltas), ROPE)
+            want_k = (moved / scales[layer]).clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8)
+        assert torch.equal(keys[slots // page, slots % page], want_k), f"layer {layer}"
+        assert torch.equal(values[slots // page, slots % page], want_v), f"layer {layer}"
+        untouched = torch.ones(PAGED, dtype=torch.bool)
+        untouched[slots] = False
+        flat = torch.arange(PAGED)[untouched]
+        assert not keys[flat // page, flat % page].any() and not values[flat // page, flat % page].any()

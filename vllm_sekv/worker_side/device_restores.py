@@ -29,7 +29,10 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
 slots' parameters; `LayerWriter` dequantizes them on the device in one pass
 (`ops.dequantize_rerope`: float32, keys rotated, rounded once to the model
-dtype) before the platform's cache-update op. Rows of a block still
+dtype) before the platform's cache-update op. A pool of an fp8 paged
+cache's own bytes restored layer by layer, once the capture has checked
+the caches' byte views (`start`'s `cache_bytes`), writes the bytes into the
+pages through those views instead (`LayerWriter`): no conversion. Rows of a block still
 incomplete (they wait in a model-dtype tail and the slot's fp8 bytes are not
 written yet: a view's most recent tokens) cannot be copied from the pool:
 `start` takes them out of the copies (`split_tail_rows`) and writes them
@@ -59,7 +62,7 @@ from vllm_sekv.store.layerwise import LayerwiseRestore
 from vllm_sekv.store.resident import ResidentBlocks
 from vllm_sekv.store.slot_runs import mean_run_length, run_starts
 from vllm_sekv.store.transfer import RestorePipeline
-from vllm_sekv.worker_side.layer_writer import LayerWriter
+from vllm_sekv.worker_side.layer_writer import ByteRoute, LayerWriter
 from vllm_sekv.workspace.step_plan import RestoreOp
 
 # `restore_mode` "auto" goes layerwise when the restored host slots come in
@@ -100,6 +103,19 @@ def _uncovered(jobs: list[tuple[list[int], LayerwiseRestore]], num_ops: int) -> 
 def _slot_of_each_run(slot_of_row: np.ndarray) -> np.ndarray:
     """The slot of each run of rows that stay in one slot, in order."""
     return slot_of_row[run_starts(slot_of_row, step=0)]
+
+
+def _byte_views(kv_caches: dict[str, torch.Tensor], layer_of: dict[str, int],
+                geometry: Any) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """Each layer's caches' uint8 (K, V) views (`compat.paged_kv_byte_views`),
+    or None if a cache has none."""
+    views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, kv_cache in kv_caches.items():
+        pair = compat.paged_kv_byte_views(kv_cache, geometry.kv_heads, geometry.head_dim)
+        if pair is None:
+            return None
+        views.setdefault(layer_of[name], []).append(pair)
+    return views
 
 
 def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
@@ -190,6 +206,7 @@ class DeviceRestores:
         # requests' shares of its blocks.
         self._jobs: list[tuple[LayerwiseRestore, list[tuple[str, float]]]] = []
         self._head_start: HeadStart | None = None
+        self._byte_views = _byte_views(kv_caches, layer_of, geometry) if pool.layer_params is not None else None
 
     @property
     def layerwise(self) -> bool:
@@ -322,11 +339,14 @@ class DeviceRestores:
         job.start()
         return job
 
-    def start(self, forward_context: Any, step_id: int, ops: list[RestoreOp]) -> list[RestoreTiming]:
+    def start(self, forward_context: Any, step_id: int, ops: list[RestoreOp],
+              cache_bytes: bool = False) -> list[RestoreTiming]:
         """Enqueue step `step_id`'s restores of `ops`: layer by layer (their
         first copies possibly begun by a head start) or batched; rows of
         incomplete fp8 blocks are written from their tails now. Returns the
-        batched restores' timings (a layerwise one's comes from `finish`)."""
+        batched restores' timings (a layerwise one's comes from `finish`).
+        `cache_bytes`: the caches' fp8 byte views are checked
+        (`ForwardCapture.bytes_checked`)."""
         ops, tails = split_tail_rows(ops, self.pool)
         self._write_tails(forward_context, tails)
         if not ops:
@@ -340,9 +360,10 @@ class DeviceRestores:
                 writer = job.write = self._writer(forward_context, rerope)
                 # the first layers move while their destinations are worked out
                 layouts = [slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt) for op in job_ops]
-                mapping = to_device(np.concatenate([m for _, m, _ in layouts]), self.device)
+                mapping = np.concatenate([m for _, m, _ in layouts])
                 deltas = to_device(np.concatenate([d for _, _, d in layouts]), self.device) if rerope else None
-                writer.route(mapping, deltas)
+                writer.route(to_device(mapping, self.device), deltas,
+                             self._byte_route(mapping) if cache_bytes else None)
                 shares = [(ops[i].req_id, len(op_slots[i]) / job.num_blocks) for i in indices]
                 self._jobs.append((job, shares))
             return []
@@ -429,6 +450,16 @@ class DeviceRestores:
             for layer in range(self.geometry.num_layers):
                 key, value = self.pool.read_rows(layer, rows, torch.float32)
                 writer(layer, to_device(key, self.device), to_device(value, self.device))
+
+    def _byte_route(self, mapping: np.ndarray) -> ByteRoute | None:
+        """`mapping` (paged slot per token, -1: skipped) through the caches'
+        byte views, for a pool of an fp8 paged cache's bytes (else None)."""
+        if self._byte_views is None:
+            return None
+        tokens = np.flatnonzero(mapping >= 0)
+        page_size = next(iter(self._byte_views.values()))[0][0].shape[1]
+        return (self._byte_views, to_device(tokens, self.device), to_device(mapping[tokens] // page_size, self.device),
+                to_device(mapping[tokens] % page_size, self.device))
 
     def _writer(self, forward_context: Any, rerope: bool) -> LayerWriter:
         layers: dict[int, list] = {}

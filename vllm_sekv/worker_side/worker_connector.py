@@ -260,7 +260,7 @@ class SekvWorkerSide:
         unhooked = not self._forward_begun and compat.full_graph_replay(forward_context)
         exact = [op for op in plan.restores if not op.lowrank]
         if self.restores is not None and exact:
-            self._device_reports += self.restores.start(forward_context, plan.step_id, exact)
+            self._device_reports += self.restores.start(forward_context, plan.step_id, exact, self.capture.bytes_checked)
             if unhooked:
                 self._end_layerwise()  # no layer will ask for its KV: all of it before the forward
         row_bytes = self.pool.block_bytes // self.config.block_tokens
