@@ -17,6 +17,11 @@ import os
 import sys
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The engine core in this process: `generate` adds every request before the
+# first engine step, so the batches are the same in every run. In its own
+# process the core would start on the first request while the others are
+# still on their way, and the batches would depend on the machine's load.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def main(spec_path: str, out_path: str) -> None:
