@@ -83,9 +83,11 @@ class HostRestores:
         a pool of such bytes then writes them as they are."""
         rows = torch.from_numpy(host_rows)
         deltas = None if rope_deltas is None else torch.from_numpy(rope_deltas)
+        cache_bytes = cache_bytes and self.pool.layer_params is not None
         for name, kv_cache in self.kv_caches.items():
-            views = compat.paged_kv_byte_views(kv_cache, self.geometry.kv_heads, self.geometry.head_dim)
-            if cache_bytes and self.pool.layer_params is not None and views is not None:
+            views = compat.paged_kv_byte_views(kv_cache, self.geometry.kv_heads, self.geometry.head_dim) \
+                if cache_bytes else None
+            if views is not None:
                 self._write_bytes(views, self.layer_of[name], rows, torch.from_numpy(paged_slots), deltas)
                 continue
             layer = compat.attention_layer(forward_context, name)
