@@ -466,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             row["pass_seconds"] = view.get("pass_seconds")
             row["restored_tokens"] = (r["sekv"] or {}).get("restored_tokens")
             row["selected_blocks"] = view.get("selected_blocks")
+            row["ranked_blocks"] = view.get("ranked_blocks")
             row["answer_blocks"] = view.get("answer_blocks")
         with lock:
             with out.open("a") as f:

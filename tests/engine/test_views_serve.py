@@ -57,7 +57,10 @@ def test_a_fact_beyond_the_native_window_is_selected_and_answered(session, eval_
     tok, task, _, _, answer, _ = session
     block, distance = needle_block(tok, eval_tasks, task)
     assert distance > NATIVE_WINDOW  # the fact lies beyond the model's window
-    assert block in sekv(answer)["view"]["selected_blocks"]
+    view = sekv(answer)["view"]
+    assert block in view["selected_blocks"]
+    # the selection's own order: its blocks, sink and recent aside, the fact's among them
+    assert block in view["ranked_blocks"] and set(view["ranked_blocks"]) < set(view["selected_blocks"])
     assert eval_tasks.is_correct(task.answer, answer["choices"][0]["message"]["content"])
 
 

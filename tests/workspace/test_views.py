@@ -62,6 +62,9 @@ def test_long_history_probes_then_selects_in_original_order():
     # room: 12 blocks - 1 sink - 2 recent - 1 tail block = 8 selected
     assert final.kind is PassKind.FINAL and len(final.history_blocks) == 11
     assert final.history_blocks[:5] == (0, 2, 5, 9, 17)  # best four, original order
+    # the order they were taken in: best first, ties to the later block
+    assert final.ranked == (5, 17, 9, 2, 22, 21, 20, 19)
+    assert set(final.ranked) | {0, 23, 24} == set(final.history_blocks)
     assert final.history_blocks[-2:] == (23, 24)
     assert list(final.history_blocks) == sorted(final.history_blocks)
     assert final.token_ids(prompt)[-3:] == prompt[-3:] and final.num_tokens == 91

@@ -440,6 +440,7 @@ class ViewCoordinator:
             out["view_tokens"] = view.num_tokens
             out["block_tokens"] = view.block_tokens
             out["selected_blocks"] = list(view.history_blocks) + list(view.recomputed)
+            out["ranked_blocks"] = list(view.ranked)
             if view.recomputed:
                 out["recomputed_blocks"] = len(view.recomputed)
             if view.anchors:

@@ -99,6 +99,10 @@ class ViewPass:
     # FINAL: virtual blocks computed in the pass after the restored history,
     # before the tail (virtual order; disjoint from history_blocks).
     recomputed: tuple[int, ...] = ()
+    # FINAL: the selected blocks (sink and recent aside) in the order the
+    # selection took them, best first, each block's neighbours or passage
+    # after it. What a response reports; the pass does not depend on it.
+    ranked: tuple[int, ...] = ()
 
     @property
     def history_tokens(self) -> int:
@@ -288,4 +292,4 @@ def final_pass(
     kept = [p for p in anchors if p < end and p // bt not in held][:anchor_room]
     return ViewPass(PassKind.FINAL, bt, tuple(blocks), probe.tail_start, probe.tail_tokens,
                     anchors=tuple(sorted(kept)), reserved_tokens=min(reserved_tokens, reserved_blocks * bt),
-                    recomputed=tuple(recomputed))
+                    recomputed=tuple(recomputed), ranked=tuple(chosen))

@@ -1,0 +1,313 @@
+"""Replay recorded views on this machine's CPU, as they were or changed.
+
+A view whose selected blocks are all recomputed in virtual order (the
+`-rcall-ord` methods) is a plain prefill of its tokens at positions
+0..V-1: its sink is the prompt's first blocks, computed the same way in any
+context. So what such a view answers depends only on which blocks it held,
+and a run's trial lines (`selected_blocks`, every block of the view in
+virtual order) with the sessions regenerated give back its exact tokens: the
+selected blocks, then the prompt after the last of them. This script
+rebuilds them, changes them as a variant says, and answers each with vLLM on
+the CPU (greedy, as the servers did), so questions about what a view should
+hold are answered without a GPU:
+
+* `as-run`          the view as it was served: checks the replay (its answers
+                    against the GPU's, question by question).
+* `no-lookalikes`   the same view without the planted facts the question does
+                    not ask about (`multikey`: the other keys' lines;
+                    `vartrack`: the other chains' lines), their tokens
+                    deleted: what the view would answer had its selection
+                    told the asked fact from its look-alikes.
+* `separated`       a line `...` between blocks that are not adjacent in the
+                    history, so fragments do not run into each other.
+* `recency-fill`    the best-scoring blocks only, then the latest history
+                    blocks up to this view's size, as the oracle prompt fills
+                    its room with the latest turns. The best blocks: the
+                    sink and the first `--fill-top` of the trial's
+                    `ranked_blocks` (the selection's order, where the run
+                    recorded it), or those of a smaller view of the same
+                    question (`--fill-from`, a method of the same runs, e.g.
+                    `views-rerank-rcall-ord:4096`).
+
+    python benchmarks/fidelity/replay.py --model QWEN_DIR --runs RUN.jsonl [RUN.jsonl ...] \\
+        --method views-rerank-rcall-ord:8192 --families vartrack,squad \\
+        --variants as-run no-lookalikes [--fill-from views-rerank-rcall-ord:4096] \\
+        [--fill-top 32] [--length 131072] [--out benchmarks/results/fidelity]
+
+Each answered view is a line of `replay/trials.jsonl` under `--out` (kept
+across calls; a trial already there is not answered again); `replay.md` and
+`replay.json` are rebuilt from all of them: per family and variant, the
+answers with their 95% interval, paired with `as-run` on the same questions
+(exact McNemar), and how often `as-run` agreed with the GPU. Needs vLLM's
+CPU build and the model's weights; about 25 s per 8K view on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import report_header as H  # noqa: E402
+import sessions as S  # noqa: E402
+from corpora import Corpora  # noqa: E402
+from report import read_trials, wilson  # noqa: E402
+
+VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill")
+# Planted fact lines, whole or cut short by the end of a block.
+PLANTED = {
+    "multikey": re.compile(r"One of the special magic numbers for [a-z]+-[a-z]+ is: \d+\.?\n?"),
+    "vartrack": re.compile(r"VAR [A-Z]{5} = (?:VAR [A-Z]{5}|\d+)\n?"),
+}
+SEPARATOR = "\n...\n"
+
+
+def view_ids(prompt_ids: list[int], selected: list[int], block_tokens: int) -> list[int]:
+    """The tokens of a view that held `selected` (every block of it, virtual
+    order): those blocks, then the prompt after the last of them."""
+    blocks = sorted(selected)
+    ids = [t for b in blocks for t in prompt_ids[b * block_tokens:(b + 1) * block_tokens]]
+    return ids + prompt_ids[(blocks[-1] + 1) * block_tokens:]
+
+
+def separated_ids(prompt_ids: list[int], selected: list[int], block_tokens: int, separator: list[int]) -> list[int]:
+    """`view_ids` with `separator` between blocks not adjacent in the history."""
+    blocks = sorted(selected)
+    ids: list[int] = []
+    for i, b in enumerate(blocks):
+        if i and b != blocks[i - 1] + 1:
+            ids += separator
+        ids += prompt_ids[b * block_tokens:(b + 1) * block_tokens]
+    return ids + prompt_ids[(blocks[-1] + 1) * block_tokens:]
+
+
+def recency_filled(selected: list[int], smaller: list[int]) -> list[int]:
+    """`smaller`'s blocks (those before `selected`'s tail), then the latest
+    history blocks before that tail, up to as many blocks as `selected`."""
+    end = max(selected) + 1
+    out = {b for b in smaller if b < end}
+    b = end - 1
+    while len(out) < len(selected) and b >= 0:
+        out.add(b)
+        b -= 1
+    return sorted(out)
+
+
+def _token_of(tokenizer, ids: list[int], char: int) -> int:
+    """The index of the token of `ids` whose decoded text covers character `char`."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid + 1])) > char:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[str]) -> tuple[list[int], int]:
+    """(`ids` without the tokens of planted facts that are not a prefix of
+    the question's evidence, how many facts went). Only the history before
+    the step's last user turn is searched: earlier questions and their gold
+    replies stay."""
+    text = tokenizer.decode(ids)
+    end = text.rfind("<|im_start|>user")
+    drop = []
+    for m in PLANTED[family].finditer(text, 0, end if end >= 0 else len(text)):
+        fact = m.group(0).rstrip("\n")
+        if not any(e.startswith(fact) or fact.startswith(e) for e in evidence):
+            drop.append((m.start(), m.end()))
+    gone: set[int] = set()
+    for a, b in drop:
+        gone.update(range(_token_of(tokenizer, ids, a), _token_of(tokenizer, ids, b - 1) + 1))
+    return [t for i, t in enumerate(ids) if i not in gone], len(drop)
+
+
+def variant_label(variant: str, fill_top: int | None, fill_from: str | None) -> str:
+    """The name a variant's trials are stored and reported under."""
+    if variant != "recency-fill":
+        return variant
+    return f"{variant}:top{fill_top}" if fill_top is not None else f"{variant}:{fill_from}"
+
+
+def mcnemar(gained: int, lost: int) -> float:
+    """Two-sided exact McNemar p-value of `gained` against `lost` discordant pairs."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    k = min(gained, lost)
+    p = 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return round(min(1.0, p), 4)
+
+
+def summarize(trials: list[dict]) -> list[dict]:
+    """One row per (family, method, variant): answers, interval, pairing with `as-run`."""
+    by = collections.defaultdict(dict)
+    for t in trials:
+        by[(t["family"], t["method"], t["variant"])][(t["seed"], t["question"])] = t
+    rows = []
+    for (family, method, variant), cell in sorted(by.items()):
+        n, k = len(cell), sum(t["correct"] for t in cell.values())
+        row = {"family": family, "method": method, "variant": variant, "n": n, "correct": k,
+               "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)),
+               "gpu_correct": sum(t["gpu_correct"] for t in cell.values())}
+        base = by.get((family, method, "as-run"), {})
+        if variant == "as-run":
+            row["same_answer_as_gpu"] = sum(t["response"].strip() == t["gpu_response"].strip() for t in cell.values())
+        elif base:
+            pairs = [(cell[q]["correct"], base[q]["correct"]) for q in cell if q in base]
+            row["paired_n"] = len(pairs)
+            row["gained"] = sum(a and not b for a, b in pairs)
+            row["lost"] = sum(b and not a for a, b in pairs)
+            row["p"] = mcnemar(row["gained"], row["lost"])
+        rows.append(row)
+    # families pooled, per method and variant
+    pooled = collections.defaultdict(list)
+    for r in rows:
+        pooled[(r["method"], r["variant"])].append(r)
+    for (method, variant), rs in sorted(pooled.items()):
+        if len(rs) < 2:
+            continue
+        n, k = sum(r["n"] for r in rs), sum(r["correct"] for r in rs)
+        row = {"family": "all", "method": method, "variant": variant, "n": n, "correct": k,
+               "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)), "gpu_correct": sum(r["gpu_correct"] for r in rs)}
+        if "gained" in rs[0]:
+            row["gained"], row["lost"] = sum(r.get("gained", 0) for r in rs), sum(r.get("lost", 0) for r in rs)
+            row["p"] = mcnemar(row["gained"], row["lost"])
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> list[str]:
+    lines = H.header_from(meta, "Fidelity: recorded views replayed on the CPU") + [
+        "Each view rebuilt from a run's `selected_blocks` (every block recomputed in virtual order, so the view "
+        "is a prefill of its tokens), changed as the variant says, answered greedily by vLLM on the CPU. "
+        "`gpu` is what the GPU's view answered on the same questions; `same as GPU` counts `as-run` answers "
+        "equal to the GPU's, text for text. Paired with `as-run` on the same questions (exact McNemar).", "",
+        "| family | method | variant | n | correct | accuracy (95% CI) | gpu | same as GPU | gained / lost vs as-run (p) |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        paired = f"+{r['gained']} -{r['lost']} ({r['p']})" if "gained" in r else "-"
+        lines.append(f"| {r['family']} | `{r['method']}` | {r['variant']} | {r['n']} | {r['correct']} | "
+                     f"{r['accuracy']:.2f} ({r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}) | {r['gpu_correct']} | "
+                     f"{r.get('same_answer_as_gpu', '-')} | {paired} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the evaluated model's folder")
+    ap.add_argument("--runs", nargs="+", required=True, help="trial lines (a trial in several files: the last)")
+    ap.add_argument("--method", default="views-rerank-rcall-ord:8192",
+                    help="a views method whose every selected block was recomputed in order")
+    ap.add_argument("--families", default="vartrack,multikey")
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--variants", nargs="+", default=["as-run", "no-lookalikes"], choices=VARIANTS)
+    ap.add_argument("--fill-from", default=None, help="recency-fill: the smaller view's method")
+    ap.add_argument("--fill-top", type=int, default=None, help="recency-fill: this many of the ranked blocks")
+    ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
+    ap.add_argument("--block-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=24, help="as the evaluation's servers answered (run.py)")
+    ap.add_argument("--out", default=str(H.results_dir("fidelity")))
+    args = ap.parse_args()
+    if not args.method.split(":")[0].endswith("-rcall-ord"):
+        ap.error("--method: only a view whose every selected block is recomputed in order replays exactly")
+    if "recency-fill" in args.variants and (args.fill_from is None) == (args.fill_top is None):
+        ap.error("--variants recency-fill needs one of --fill-from and --fill-top")
+    families = args.families.split(",")
+    for f in families:
+        if "no-lookalikes" in args.variants and f not in PLANTED:
+            ap.error(f"--families {f}: no-lookalikes knows the planted facts of {', '.join(PLANTED)} only")
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    trials = read_trials(args.runs)
+    out_dir = Path(args.out)
+    store = out_dir / "replay" / "trials.jsonl"
+    store.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if store.exists():
+        for line in store.read_text().splitlines():
+            t = json.loads(line)
+            done.add((t["family"], t["seed"], t["question"], t["method"], t["variant"]))
+
+    corpora, sessions = Corpora(), {}
+    jobs = []  # (trial, variant, ids, note)
+    separator = tokenizer(SEPARATOR, add_special_tokens=False)["input_ids"]
+    for key, r in sorted(trials.items()):
+        family, length, seed, q, method = key
+        if family not in families or length != args.length or method != args.method or not r.get("selected_blocks"):
+            continue
+        todo = [v for v in args.variants
+                if (family, seed, q, method, variant_label(v, args.fill_top, args.fill_from)) not in done]
+        if not todo:
+            continue
+        if (family, seed) not in sessions:
+            sessions[family, seed] = S.generate(family, length, seed, tokenizer, corpora)
+        session = sessions[family, seed]
+        prompt = S.render_ids(tokenizer, session.step_messages(q))
+        selected = r["selected_blocks"]
+        for variant in todo:
+            note = {}
+            if variant == "as-run":
+                ids = view_ids(prompt, selected, args.block_tokens)
+            elif variant == "separated":
+                ids = separated_ids(prompt, selected, args.block_tokens, separator)
+            elif variant == "no-lookalikes":
+                ids, note["facts_dropped"] = without_lookalikes(
+                    tokenizer, view_ids(prompt, selected, args.block_tokens), family, session.questions[q].evidence)
+            else:
+                if args.fill_top is not None:
+                    if not r.get("ranked_blocks"):
+                        continue
+                    best = [b for b in selected if b < args.sink_blocks] + r["ranked_blocks"][:args.fill_top]
+                else:
+                    smaller = trials.get((family, length, seed, q, args.fill_from))
+                    if smaller is None or not smaller.get("selected_blocks"):
+                        continue
+                    best = smaller["selected_blocks"]
+                ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
+            jobs.append((r, variant_label(variant, args.fill_top, args.fill_from), ids, note))
+    print(f"[replay] {len(jobs)} views to answer", flush=True)
+    if not jobs:
+        return
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(args.model, max_model_len=max(len(j[2]) for j in jobs) + args.max_tokens, enforce_eager=True,
+              dtype="bfloat16", enable_prefix_caching=False)  # as the GPU's servers ran it
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    for i, (r, variant, ids, note) in enumerate(jobs):
+        started = time.monotonic()
+        text = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0].text
+        session = sessions[r["family"], r["seed"]]
+        row = {"family": r["family"], "history_tokens": r["history_tokens"], "seed": r["seed"],
+               "question": r["question"], "method": r["method"], "variant": variant,
+               "correct": S.is_correct(session.questions[r["question"]], text), "response": text,
+               "gpu_correct": r["correct"], "gpu_response": r["response"], "view_tokens": len(ids),
+               "seconds": round(time.monotonic() - started, 1), **note}
+        with store.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[replay] {i + 1}/{len(jobs)} {r['family']}-{r['seed']} q{r['question']} {variant:<14} "
+              f"{'ok ' if row['correct'] else 'BAD'} gpu={'ok ' if r['correct'] else 'BAD'} {text[:30]!r}", flush=True)
+
+    all_trials = [json.loads(line) for line in store.read_text().splitlines()]
+    rows = summarize(all_trials)
+    meta = H.meta([H.command(__file__)])
+    (out_dir / "replay.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    H.write_report(out_dir / "replay.md", markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()

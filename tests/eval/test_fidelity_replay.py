@@ -1,0 +1,85 @@
+"""Rebuilding and changing recorded views (benchmarks/fidelity/replay.py):
+the tokens a view held, its variants and the pairing of their answers. The
+answering itself (vLLM on the CPU) is the script's run, not a test."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+FIDELITY = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity"
+
+
+@pytest.fixture(scope="module")
+def replay():
+    sys.path.insert(0, str(FIDELITY))
+    spec = importlib.util.spec_from_file_location("fidelity_replay", FIDELITY / "replay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_view_is_its_blocks_in_order_then_the_prompt_after_the_last(replay):
+    prompt = list(range(100, 140))  # ten blocks of four, and no tail block boundary issue
+    assert replay.view_ids(prompt, [8, 0, 3, 9], 4) == (
+        prompt[0:4] + prompt[12:16] + prompt[32:36] + prompt[36:40])
+    # a prompt that goes on after the last selected block: the rest comes whole
+    assert replay.view_ids(prompt, [0, 6], 4) == prompt[0:4] + prompt[24:]
+
+
+def test_separators_go_between_blocks_apart_in_the_history_only(replay):
+    prompt = list(range(40))
+    ids = replay.separated_ids(prompt, [0, 1, 5, 9], 4, [-1])
+    assert ids == prompt[0:8] + [-1] + prompt[20:24] + [-1] + prompt[36:40]
+
+
+def test_recency_fill_keeps_the_smaller_views_blocks_and_takes_the_latest_others(replay):
+    selected = [0, 1, 10, 20, 30, 40, 41, 42]  # eight blocks, the last is the tail's
+    smaller = [0, 1, 20, 42]
+    filled = replay.recency_filled(selected, smaller)
+    assert len(filled) == len(selected) and set(smaller) <= set(filled)
+    assert filled == [0, 1, 20, 38, 39, 40, 41, 42]
+    # blocks of the smaller view past this view's last block are not history here
+    assert 50 not in replay.recency_filled(selected, smaller + [50])
+
+
+def test_exact_mcnemar(replay):
+    assert replay.mcnemar(0, 0) == 1.0
+    assert replay.mcnemar(5, 5) == 1.0
+    assert replay.mcnemar(9, 1) == pytest.approx(0.0215, abs=1e-4)  # 2 * 11 / 1024
+    assert replay.mcnemar(1, 9) == replay.mcnemar(9, 1)
+
+
+def test_lookalikes_go_and_the_asked_facts_stay_even_cut_short(replay, model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    history = ("Some essay text here.\nVAR ABCDE = 12345\nmore text\nVAR FGHIJ = 67890\n"
+               "and VAR KLMNO = VAR ABCDE\nthen VAR PQRST = VAR FGHIJ\nVAR UVWXY = 1\nend of the turn.")
+    question = "<|im_start|>user\nwhat number does VAR KLMNO hold?"
+    ids = tokenizer(history + question, add_special_tokens=False)["input_ids"]
+    evidence = ["VAR ABCDE = 12345", "VAR KLMNO = VAR ABCDE"]
+    kept, dropped = replay.without_lookalikes(tokenizer, ids, "vartrack", evidence)
+    text = tokenizer.decode(kept)
+    assert dropped == 3
+    assert "VAR ABCDE = 12345" in text and "VAR KLMNO = VAR ABCDE" in text
+    assert "FGHIJ" not in text and "PQRST" not in text and "UVWXY" not in text
+    assert "Some essay text here." in text and "end of the turn." in text and text.endswith(question[-30:])
+    # a fact cut short by a block's end is still the asked one
+    cut = tokenizer("text\nVAR ABCDE = 123", add_special_tokens=False)["input_ids"]
+    assert replay.without_lookalikes(tokenizer, cut, "vartrack", evidence)[1] == 0
+
+
+def test_pairing_counts_gains_and_losses_against_as_run(replay):
+    def t(variant, q, correct):
+        return {"family": "vartrack", "method": "views-rerank-rcall-ord:8192", "variant": variant, "seed": 0,
+                "question": q, "correct": correct, "gpu_correct": q == 0, "response": "1", "gpu_response": "1"}
+
+    trials = [t("as-run", 0, True), t("as-run", 1, False), t("as-run", 2, False),
+              t("no-lookalikes", 0, False), t("no-lookalikes", 1, True), t("no-lookalikes", 2, True)]
+    rows = {r["variant"]: r for r in replay.summarize(trials)}
+    assert rows["as-run"]["correct"] == 1 and rows["as-run"]["same_answer_as_gpu"] == 3
+    assert (rows["no-lookalikes"]["gained"], rows["no-lookalikes"]["lost"]) == (2, 1)
+    assert rows["no-lookalikes"]["gpu_correct"] == 1
