@@ -28,6 +28,15 @@ hold are answered without a GPU:
                     recorded it), or those of a smaller view of the same
                     question (`--fill-from`, a method of the same runs, e.g.
                     `views-rerank-rcall-ord:4096`).
+* `evidence-fill`   the oracle's composition at the views' granularity: the
+                    sink, the blocks of the question's evidence
+                    (`answer_blocks`), then the latest history blocks up to
+                    this view's size: fragments of the right turns, no
+                    others.
+* `evidence-plus`   `evidence-fill` with `--extra` more of the view's own
+                    selected blocks (drawn at random, sink and recent aside)
+                    before the latest history: how many fragments of other
+                    text a view can hold before the answer suffers.
 
     python benchmarks/fidelity/replay.py --model QWEN_DIR --runs RUN.jsonl [RUN.jsonl ...] \\
         --method views-rerank-rcall-ord:8192 --families vartrack,squad \\
@@ -48,6 +57,7 @@ import collections
 import json
 import math
 import os
+import random
 import re
 import sys
 import time
@@ -61,7 +71,7 @@ import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
 
-VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill")
+VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus")
 # Planted fact lines, whole or cut short by the end of a block.
 PLANTED = {
     "multikey": re.compile(r"One of the special magic numbers for [a-z]+-[a-z]+ is: \d+\.?\n?"),
@@ -101,6 +111,13 @@ def recency_filled(selected: list[int], smaller: list[int]) -> list[int]:
     return sorted(out)
 
 
+def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: int, seed: str) -> list[int]:
+    """`n` of `selected` (its last `recent_blocks` and `best` aside), drawn
+    at random; the same for the same `seed`."""
+    pool = sorted(set(sorted(selected)[:-recent_blocks]) - set(best))
+    return sorted(random.Random(seed).sample(pool, min(n, len(pool))))
+
+
 def _token_of(tokenizer, ids: list[int], char: int) -> int:
     """The index of the token of `ids` whose decoded text covers character `char`."""
     lo, hi = 0, len(ids)
@@ -131,8 +148,10 @@ def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[st
     return [t for i, t in enumerate(ids) if i not in gone], len(drop)
 
 
-def variant_label(variant: str, fill_top: int | None, fill_from: str | None) -> str:
+def variant_label(variant: str, fill_top: int | None, fill_from: str | None, extra: int) -> str:
     """The name a variant's trials are stored and reported under."""
+    if variant == "evidence-plus":
+        return f"{variant}:{extra}"
     if variant != "recency-fill":
         return variant
     return f"{variant}:top{fill_top}" if fill_top is not None else f"{variant}:{fill_from}"
@@ -214,6 +233,8 @@ def main() -> None:
     ap.add_argument("--fill-from", default=None, help="recency-fill: the smaller view's method")
     ap.add_argument("--fill-top", type=int, default=None, help="recency-fill: this many of the ranked blocks")
     ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
+    ap.add_argument("--recent-blocks", type=int, default=8, help="the views' recent window (recent_tokens 256)")
+    ap.add_argument("--extra", type=int, default=32, help="evidence-plus: this many other selected blocks")
     ap.add_argument("--block-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24, help="as the evaluation's servers answered (run.py)")
     ap.add_argument("--out", default=str(H.results_dir("fidelity")))
@@ -248,7 +269,7 @@ def main() -> None:
         if family not in families or length != args.length or method != args.method or not r.get("selected_blocks"):
             continue
         todo = [v for v in args.variants
-                if (family, seed, q, method, variant_label(v, args.fill_top, args.fill_from)) not in done]
+                if (family, seed, q, method, variant_label(v, args.fill_top, args.fill_from, args.extra)) not in done]
         if not todo:
             continue
         if (family, seed) not in sessions:
@@ -265,6 +286,13 @@ def main() -> None:
             elif variant == "no-lookalikes":
                 ids, note["facts_dropped"] = without_lookalikes(
                     tokenizer, view_ids(prompt, selected, args.block_tokens), family, session.questions[q].evidence)
+            elif variant in ("evidence-fill", "evidence-plus"):
+                if not r.get("answer_blocks"):
+                    continue
+                best = [b for b in selected if b < args.sink_blocks] + r["answer_blocks"]
+                if variant == "evidence-plus":
+                    best += other_blocks(selected, best, args.recent_blocks, args.extra, f"{family}/{seed}/{q}")
+                ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
             else:
                 if args.fill_top is not None:
                     if not r.get("ranked_blocks"):
@@ -276,7 +304,7 @@ def main() -> None:
                         continue
                     best = smaller["selected_blocks"]
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
-            jobs.append((r, variant_label(variant, args.fill_top, args.fill_from), ids, note))
+            jobs.append((r, variant_label(variant, args.fill_top, args.fill_from, args.extra), ids, note))
     print(f"[replay] {len(jobs)} views to answer", flush=True)
     if not jobs:
         return

@@ -62,6 +62,10 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank-lexc": {"rerank_blocks": 1024, "lexical_candidates": 256},
     # every candidate re-ranked: the index's cut out of the selection
     "views-rerankall": {"rerank_blocks": 1 << 20},
+    # fewer selected blocks, the rest of an 8K view the latest history (as the oracle fills its
+    # room): about 120 and 28 selected blocks next to 4K and 7K recent tokens
+    "views-rerank-recent4k": {"rerank_blocks": 1024, "recent_tokens": 4096},
+    "views-rerank-recent7k": {"rerank_blocks": 1024, "recent_tokens": 7168},
     "views-rerank-fp8": {"rerank_blocks": 1024, "workspace_codec": "fp8"},  # the view restored from fp8 K/V
     "meank": {"index_summary": "mean_pre", "index_combine": "mean"},
     "sekv": {"surprisal": "on", "coarse": "on"},
@@ -88,6 +92,10 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-lex-rcall-ord": ("views-rerank-lex", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     "views-rerank-lexc-rcall-ord": ("views-rerank-lexc", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
     "views-rerankall-rcall-ord": ("views-rerankall", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    "views-rerank-recent4k-rcall-ord": ("views-rerank-recent4k", {"recompute_blocks": 100000,
+                                                                   "recompute_layout": "in_order"}),
+    "views-rerank-recent7k-rcall-ord": ("views-rerank-recent7k", {"recompute_blocks": 100000,
+                                                                   "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,

@@ -83,3 +83,13 @@ def test_pairing_counts_gains_and_losses_against_as_run(replay):
     assert rows["as-run"]["correct"] == 1 and rows["as-run"]["same_answer_as_gpu"] == 3
     assert (rows["no-lookalikes"]["gained"], rows["no-lookalikes"]["lost"]) == (2, 1)
     assert rows["no-lookalikes"]["gpu_correct"] == 1
+
+
+def test_extra_blocks_come_from_the_selection_without_its_recent_window_or_the_evidence(replay):
+    selected = list(range(0, 40, 2)) + [40, 41, 42, 43]  # the last four: the recent window
+    best = [0, 2, 10]
+    extra = replay.other_blocks(selected, best, recent_blocks=4, n=5, seed="vartrack/5/1")
+    assert len(extra) == 5 and extra == sorted(extra)
+    assert not set(extra) & {0, 2, 10, 40, 41, 42, 43} and set(extra) <= set(selected)
+    assert extra == replay.other_blocks(selected, best, 4, 5, "vartrack/5/1")  # the same draw again
+    assert len(replay.other_blocks(selected, best, 4, 100, "x")) == 20 - 3  # no more than there are
