@@ -44,8 +44,9 @@ hold are answered without a GPU:
         [--fill-top 32] [--length 131072] [--out benchmarks/results/fidelity]
 
 Each answered view is a line of `replay/trials.jsonl` under `--out` (kept
-across calls; a trial already there is not answered again); `replay.md` and
-`replay.json` are rebuilt from all of them: per family and variant, the
+across calls; a trial already there is not answered again, and the command
+that answered it goes into `replay/commands.txt`); `replay.md` and
+`replay.json` are rebuilt from all of them on every call: per family and variant, the
 answers with their 95% interval, paired with `as-run` on the same questions
 (exact McNemar), and how often `as-run` agreed with the GPU. Needs vLLM's
 CPU build and the model's weights; about 25 s per 8K view on 2 cores.
@@ -175,9 +176,11 @@ def summarize(trials: list[dict]) -> list[dict]:
     rows = []
     for (family, method, variant), cell in sorted(by.items()):
         n, k = len(cell), sum(t["correct"] for t in cell.values())
+        held = [t for t in cell.values() if t.get("evidence_in_view")]
         row = {"family": family, "method": method, "variant": variant, "n": n, "correct": k,
                "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)),
-               "gpu_correct": sum(t["gpu_correct"] for t in cell.values())}
+               "gpu_correct": sum(t["gpu_correct"] for t in cell.values()),
+               "n_evidence_in_view": len(held), "correct_evidence_in_view": sum(t["correct"] for t in held)}
         base = by.get((family, method, "as-run"), {})
         if variant == "as-run":
             row["same_answer_as_gpu"] = sum(t["response"].strip() == t["gpu_response"].strip() for t in cell.values())
@@ -197,7 +200,9 @@ def summarize(trials: list[dict]) -> list[dict]:
             continue
         n, k = sum(r["n"] for r in rs), sum(r["correct"] for r in rs)
         row = {"family": "all", "method": method, "variant": variant, "n": n, "correct": k,
-               "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)), "gpu_correct": sum(r["gpu_correct"] for r in rs)}
+               "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)), "gpu_correct": sum(r["gpu_correct"] for r in rs),
+               "n_evidence_in_view": sum(r["n_evidence_in_view"] for r in rs),
+               "correct_evidence_in_view": sum(r["correct_evidence_in_view"] for r in rs)}
         if "gained" in rs[0]:
             row["gained"], row["lost"] = sum(r.get("gained", 0) for r in rs), sum(r.get("lost", 0) for r in rs)
             row["p"] = mcnemar(row["gained"], row["lost"])
@@ -210,13 +215,17 @@ def markdown(rows: list[dict], meta: dict) -> list[str]:
         "Each view rebuilt from a run's `selected_blocks` (every block recomputed in virtual order, so the view "
         "is a prefill of its tokens), changed as the variant says, answered greedily by vLLM on the CPU. "
         "`gpu` is what the GPU's view answered on the same questions; `same as GPU` counts `as-run` answers "
-        "equal to the GPU's, text for text. Paired with `as-run` on the same questions (exact McNemar).", "",
-        "| family | method | variant | n | correct | accuracy (95% CI) | gpu | same as GPU | gained / lost vs as-run (p) |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "equal to the GPU's, text for text; `where the view held it`: the questions whose served view held "
+        "the evidence (`answer_in_view`), correct of them. Paired with `as-run` on the same questions "
+        "(exact McNemar).", "",
+        "| family | method | variant | n | correct | accuracy (95% CI) | where the view held it | gpu | same as GPU "
+        "| gained / lost vs as-run (p) |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         paired = f"+{r['gained']} -{r['lost']} ({r['p']})" if "gained" in r else "-"
         lines.append(f"| {r['family']} | `{r['method']}` | {r['variant']} | {r['n']} | {r['correct']} | "
-                     f"{r['accuracy']:.2f} ({r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}) | {r['gpu_correct']} | "
+                     f"{r['accuracy']:.2f} ({r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}) | "
+                     f"{r['correct_evidence_in_view']}/{r['n_evidence_in_view']} | {r['gpu_correct']} | "
                      f"{r.get('same_answer_as_gpu', '-')} | {paired} |")
     return lines
 
@@ -306,9 +315,15 @@ def main() -> None:
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
             jobs.append((r, variant_label(variant, args.fill_top, args.fill_from, args.extra), ids, note))
     print(f"[replay] {len(jobs)} views to answer", flush=True)
-    if not jobs:
-        return
+    if jobs:
+        with (store.parent / "commands.txt").open("a") as f:
+            f.write(H.command(__file__) + "\n")
+        answer(jobs, sessions, store, args)
+    write_report(store, out_dir)
 
+
+def answer(jobs: list[tuple], sessions: dict, store: Path, args) -> None:
+    """Answer each job's view greedily with vLLM on the CPU; one line per view into `store`."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -324,15 +339,22 @@ def main() -> None:
                "question": r["question"], "method": r["method"], "variant": variant,
                "correct": S.is_correct(session.questions[r["question"]], text), "response": text,
                "gpu_correct": r["correct"], "gpu_response": r["response"], "view_tokens": len(ids),
+               "evidence_in_view": r.get("answer_in_view"),
                "seconds": round(time.monotonic() - started, 1), **note}
         with store.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[replay] {i + 1}/{len(jobs)} {r['family']}-{r['seed']} q{r['question']} {variant:<14} "
               f"{'ok ' if row['correct'] else 'BAD'} gpu={'ok ' if r['correct'] else 'BAD'} {text[:30]!r}", flush=True)
 
-    all_trials = [json.loads(line) for line in store.read_text().splitlines()]
-    rows = summarize(all_trials)
-    meta = H.meta([H.command(__file__)])
+
+def write_report(store: Path, out_dir: Path) -> None:
+    """`replay.json` and `replay.md` from every stored trial, headed by the
+    commands that answered them."""
+    if not store.exists():
+        return
+    rows = summarize([json.loads(line) for line in store.read_text().splitlines()])
+    commands = store.parent / "commands.txt"
+    meta = H.meta(commands.read_text().splitlines() if commands.exists() else [H.command(__file__)])
     (out_dir / "replay.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     H.write_report(out_dir / "replay.md", markdown(rows, meta))
 
