@@ -46,17 +46,7 @@ def fact_span_blocks(tokenizer, messages: list[dict], key: str, value: str, bloc
     line = f"One of the special magic numbers for {key} is: {value}."
     at = text_upto.index(line)
     key_at, value_at = at + line.index(key), at + line.index(value) + len(value) - 1
-    # character offset -> token index, by decoding prefixes of growing length (binary search)
-    def token_of(char: int) -> int:
-        lo, hi = 0, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(tokenizer.decode(ids[:mid + 1])) > char:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-    return token_of(key_at) // block_tokens, token_of(value_at) // block_tokens
+    return S.token_at(tokenizer, ids, key_at) // block_tokens, S.token_at(tokenizer, ids, value_at) // block_tokens
 
 
 def main() -> None:

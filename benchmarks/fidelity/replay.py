@@ -119,18 +119,6 @@ def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: in
     return sorted(random.Random(seed).sample(pool, min(n, len(pool))))
 
 
-def _token_of(tokenizer, ids: list[int], char: int) -> int:
-    """The index of the token of `ids` whose decoded text covers character `char`."""
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(tokenizer.decode(ids[:mid + 1])) > char:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
 def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[str]) -> tuple[list[int], int]:
     """(`ids` without the tokens of planted facts that are not a prefix of
     the question's evidence, how many facts went). Only the history before
@@ -145,7 +133,7 @@ def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[st
             drop.append((m.start(), m.end()))
     gone: set[int] = set()
     for a, b in drop:
-        gone.update(range(_token_of(tokenizer, ids, a), _token_of(tokenizer, ids, b - 1) + 1))
+        gone.update(range(S.token_at(tokenizer, ids, a), S.token_at(tokenizer, ids, b - 1) + 1))
     return [t for i, t in enumerate(ids) if i not in gone], len(drop)
 
 
@@ -200,7 +188,8 @@ def summarize(trials: list[dict]) -> list[dict]:
             continue
         n, k = sum(r["n"] for r in rs), sum(r["correct"] for r in rs)
         row = {"family": "all", "method": method, "variant": variant, "n": n, "correct": k,
-               "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)), "gpu_correct": sum(r["gpu_correct"] for r in rs),
+               "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)),
+               "gpu_correct": sum(r["gpu_correct"] for r in rs),
                "n_evidence_in_view": sum(r["n_evidence_in_view"] for r in rs),
                "correct_evidence_in_view": sum(r["correct_evidence_in_view"] for r in rs)}
         if "gained" in rs[0]:

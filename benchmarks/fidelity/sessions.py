@@ -151,6 +151,19 @@ def render_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
+def token_at(tokenizer, ids: list[int], char: int) -> int:
+    """The index of the token of `ids` whose decoded text covers character
+    `char` of `tokenizer.decode(ids)` (prefixes decoded, binary search)."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid + 1])) > char:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def history_token_count(tokenizer, history: list[dict]) -> int:
     """Tokens of the rendered history alone (no generation prompt)."""
     ids = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=False)
