@@ -202,7 +202,7 @@ def hop_probe(probe: ViewPass, scores: Sequence[float], budget: ViewBudget, cont
     """The next probe after `probe`: its new tokens and candidates behind
     the view `scores` choose (`final_pass`'s blocks, every one restored)."""
     view = final_pass(probe, scores, budget, context_blocks, passages=passages, passage_blocks=passage_blocks)
-    return replace(view, kind=PassKind.PROBE, candidates=probe.candidates, rerank_extra=probe.rerank_extra)
+    return replace(view, kind=PassKind.PROBE, candidates=probe.candidates, rerank_extra=probe.rerank_extra, ranked=())
 
 
 def interleave_hops(hops: Sequence[np.ndarray]) -> np.ndarray:
