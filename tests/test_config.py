@@ -40,6 +40,7 @@ def test_non_config_env_is_ignored():
         ({"restore_codec": "lowrank(0)"}, {}, "restore_codec"),
         ({"restore_codec": "router"}, {}, "restore_codec"),  # no router_path
         ({"recompute_blocks": -1}, {}, "recompute_blocks"),
+        ({"view_select_blocks": -2}, {}, "view_select_blocks"),
         ({"recompute_blocks": 4, "surprisal": "on", "coarse": "on"}, {}, "recompute_blocks"),
         ({"lexical_weight": -1}, {}, "lexical_weight"),
         ({}, {"SEKV_LEXICAL_WEIGHT": "nan"}, "lexical_weight"),
@@ -51,7 +52,7 @@ def test_non_config_env_is_ignored():
     ],
     ids=["unknown-key", "bad-size", "bool-size", "odd-block", "text-block", "bad-policy",
          "bad-percent", "unknown-env", "bad-env-value", "bad-codec", "router-codec-without-router",
-         "negative-recompute", "recompute-with-coarse", "negative-lexical-weight", "nan-lexical-weight",
+         "negative-recompute", "negative-select", "recompute-with-coarse", "negative-lexical-weight", "nan-lexical-weight",
          "bad-workspace-codec", "bad-workspace-codec-env", "resident-pool-with-layerwise-restores",
          "lexical-candidates-without-rerank", "negative-lexical-candidates"],
 )

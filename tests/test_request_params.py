@@ -69,3 +69,11 @@ def test_recompute_beside_a_servers_coarse_summaries_is_refused_unless_the_reque
         check(config, 8192, {"recompute_blocks": 8}, None, None)
     check(config, 8192, {"recompute_blocks": 8, "coarse": False}, None, None)
     check(SekvConfig(), 8192, {"recompute_blocks": 8}, None, None)
+
+
+def test_a_requests_selection_limit():
+    assert parse({"view_select_blocks": 32}) == RequestParams(view_select_blocks=32)
+    assert parse({}, {"view_select_blocks": 0}).view_select_blocks == 0  # no limit
+    for bad in (-1, "32", True, 1.5):
+        with pytest.raises(RequestParamError, match="^kv_transfer_params.view_select_blocks: expected a non-neg"):
+            parse({"view_select_blocks": bad})

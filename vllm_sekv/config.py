@@ -195,6 +195,12 @@ class SekvConfig:
     # `view_context_blocks`; loads the tokenizer at start-up to find the
     # break tokens.
     view_passage_blocks: int = 0
+    # Most candidate blocks a view selects (0 = as many as its room holds; a
+    # selected block's neighbours or passage count). The room left holds the
+    # latest history before the recent window, as it would fill a prompt cut
+    # to its end: a view of a few best blocks inside a long stretch of
+    # continuous history rather than of many fragments.
+    view_select_blocks: int = 0
     # Token-level re-rank of a probe's best candidates (0 = off): the index's
     # `rerank_blocks` highest-scoring blocks are scored again by the probe
     # queries' attention over their actual keys (from the host tier, each
@@ -314,7 +320,7 @@ class SekvConfig:
                     f"({bt}), got {n}"
                 )
         for key in ("view_tokens", "probe_query_tokens", "view_context_blocks", "rerank_blocks",
-                    "lexical_candidates", "recompute_blocks"):
+                    "lexical_candidates", "recompute_blocks", "view_select_blocks"):
             if getattr(self, key) < 0:
                 raise ValueError(f"sekv config '{key}': must not be negative, got {getattr(self, key)}")
         if self.view_tokens and self.view_tokens < self.sink_tokens + self.recent_tokens + 2 * bt:

@@ -97,6 +97,15 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
                                                                    "recompute_layout": "in_order"}),
     "views-rerank-recent7k-rcall-ord": ("views-rerank-recent7k", {"recompute_blocks": 100000,
                                                                    "recompute_layout": "in_order"}),
+    # at most 32 / 64 / 128 selected blocks (`view_select_blocks`), the rest of the view the latest
+    # history (as the oracle fills its room); ingest and probes as in views-rerank
+    "views-rerank-sel32-rcall-ord": ("views-rerank", {"view_select_blocks": 32, "recompute_blocks": 100000,
+                                                      "recompute_layout": "in_order"}),
+    "views-rerank-sel64-rcall-ord": ("views-rerank", {"view_select_blocks": 64, "recompute_blocks": 100000,
+                                                      "recompute_layout": "in_order"}),
+    "views-rerank-sel128-rcall-ord": ("views-rerank", {"view_select_blocks": 128, "recompute_blocks": 100000,
+                                                       "recompute_layout": "in_order"}),
+    "views-rerank-sel32": ("views-rerank", {"view_select_blocks": 32}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,

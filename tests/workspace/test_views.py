@@ -301,3 +301,19 @@ def test_in_order_recompute_keeps_virtual_order_from_the_earliest_recomputed_blo
                           recompute_in_order=True)
     assert anchored.anchors == (10, 30) and anchored.history_positions() == sorted(anchored.history_positions())
     assert max(anchored.history_positions()) < anchored.recomputed[0] * 8
+
+
+def test_a_selection_limit_leaves_its_room_to_the_latest_history():
+    prompt, probe, scores = four_scored_blocks()  # best: 5, 17, then 9 and 2 tied
+    limited = final_pass(probe, scores, BUDGET, select_blocks=2)
+    # room 8: the best 2 selected, then the 6 latest candidates they leave (16..22 without 17)
+    assert limited.ranked == (5, 17)
+    assert limited.history_blocks == (0, 5, 16, 17, 18, 19, 20, 21, 22, 23, 24)
+    assert limited.num_tokens == final_pass(probe, scores, BUDGET).num_tokens  # the same room, filled
+    assert final_pass(probe, scores, BUDGET, select_blocks=100) == final_pass(probe, scores, BUDGET)
+    # In virtual order the latest history is recomputed with the rest from the earliest selected block on.
+    ordered = final_pass(probe, scores, BUDGET, select_blocks=2, recompute_blocks=100, recompute_in_order=True)
+    assert ordered.history_blocks == (0,) and ordered.recomputed == limited.history_blocks[1:]
+    assert ordered.token_ids(prompt) == limited.token_ids(prompt)
+    # A hop probe reads the same limited view.
+    assert hop_probe(probe, scores, BUDGET, select_blocks=2).history_blocks == limited.history_blocks

@@ -57,6 +57,7 @@ class ViewJob:
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
     context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
     passage_blocks: int = 0  # most blocks of its passage each selected block brings (likewise)
+    select_blocks: int = 0  # most blocks a view selects, 0: its room (likewise)
     passages: Passages | None = None  # the history's passages, found at the first probe that needs them
     # The zoom router's rank for each of probe.candidates (restore_codec
     # "router"; <= 0: exact); None without a router's report.
@@ -183,6 +184,8 @@ class ViewCoordinator:
         job.recompute_in_order = (params.recompute_layout or self.config.recompute_layout) == "in_order"
         job.probe_hops = params.probe_hops or self.config.probe_hops
         job.context_blocks, job.passage_blocks = self._extents(params)
+        job.select_blocks = self.config.view_select_blocks if params.view_select_blocks is None \
+            else params.view_select_blocks
         if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
             logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
                            "restores them", job.req_id)
@@ -233,7 +236,7 @@ class ViewCoordinator:
         if job.current is None:
             if job.probe is not None and len(job.hop_scores) < job.probe_hops:
                 view = hop_probe(job.probe, self._selection_scores(job), job.budget, job.context_blocks,
-                                 self._passages(job), job.passage_blocks)
+                                 self._passages(job), job.passage_blocks, job.select_blocks)
             elif job.probe is not None:
                 view = self._final_pass(job)
             else:
@@ -278,7 +281,7 @@ class ViewCoordinator:
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
         view = final_pass(job.probe, self._selection_scores(job), budget, job.context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
-                          job.recompute_in_order, self._passages(job), job.passage_blocks)
+                          job.recompute_in_order, self._passages(job), job.passage_blocks, job.select_blocks)
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)

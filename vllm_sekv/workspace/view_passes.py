@@ -36,6 +36,8 @@ Passes, in order:
   be recomputed rather than restored (`recompute_blocks`): restored KV was
   computed inside the whole long history and carries what the model read
   there; recomputed KV sees only the view, and sits next to the new tokens.
+  A view may take fewer candidates than its room holds (`select_blocks`):
+  the latest history fills the rest, as it fills a prompt cut to its end.
 
 The sentinel makes a pass end one token short of its sequence, so vLLM treats
 it as an unfinished chunked prefill and never samples from it: nothing of an
@@ -198,10 +200,11 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
 
 
 def hop_probe(probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
-              passages: Passages | None = None, passage_blocks: int = 0) -> ViewPass:
+              passages: Passages | None = None, passage_blocks: int = 0, select_blocks: int = 0) -> ViewPass:
     """The next probe after `probe`: its new tokens and candidates behind
     the view `scores` choose (`final_pass`'s blocks, every one restored)."""
-    view = final_pass(probe, scores, budget, context_blocks, passages=passages, passage_blocks=passage_blocks)
+    view = final_pass(probe, scores, budget, context_blocks, passages=passages, passage_blocks=passage_blocks,
+                      select_blocks=select_blocks)
     return replace(view, kind=PassKind.PROBE, candidates=probe.candidates, rerank_extra=probe.rerank_extra, ranked=())
 
 
@@ -228,7 +231,7 @@ def final_pass(
     probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
     anchors: Sequence[int] = (), anchor_tokens: int = 0, reserved_tokens: int = 0,
     recompute_blocks: int = 0, recompute_in_order: bool = False,
-    passages: Passages | None = None, passage_blocks: int = 0,
+    passages: Passages | None = None, passage_blocks: int = 0, select_blocks: int = 0,
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
@@ -240,6 +243,11 @@ def final_pass(
     brings the rest of its passage, nearest first, if the passage spans at
     most `passage_blocks` blocks (`Passages.around`): a paragraph or a
     document whole, as far as the room goes.
+
+    `select_blocks` > 0: the selection stops at that many blocks (a block's
+    neighbours or passage count); the room it leaves holds the latest history
+    before the recent window, as a prompt cut to its end would. 0: the
+    selection fills the room.
 
     `anchors`: virtual positions of history anchor tokens, most important
     first. Those outside the view's blocks, at most `anchor_tokens` of them,
@@ -271,21 +279,24 @@ def final_pass(
     candidates = set(probe.candidates)
     order = np.arange(len(scores))
     ranked = np.lexsort((-order, -np.asarray(scores, dtype=np.float64))).tolist()  # best first, ties: later
+    limit = min(room, select_blocks) if select_blocks > 0 else room
     chosen: dict[int, None] = {}  # in the order chosen
     for i in ranked:
         block = probe.candidates[i]
         extent = passages.around(block, passage_blocks) if passages is not None and passage_blocks > 0 \
             else neighbours(block, context_blocks)
         for b in extent:
-            if len(chosen) < room and b in candidates:
+            if len(chosen) < limit and b in candidates:
                 chosen.setdefault(b)
-        if len(chosen) >= room:
+        if len(chosen) >= limit:
             break
+    # What the selection leaves of the room (`select_blocks`): the latest candidates it did not take.
+    latest = [b for b in reversed(probe.candidates) if b not in chosen][: room - len(chosen)]
     recomputed = sorted(list(chosen)[:recompute_blocks])
     if recompute_in_order and recomputed:
-        recomputed = sorted(b for b in chosen if b >= recomputed[0]) + recent
+        recomputed = sorted(b for b in [*chosen, *latest] if b >= recomputed[0]) + recent
         recent = []
-    blocks = sink + sorted(set(chosen) - set(recomputed)) + recent
+    blocks = sink + sorted((set(chosen) | set(latest)) - set(recomputed)) + recent
     held = set(blocks) | set(recomputed)
     # In virtual order, anchors (restored) must come before the recomputed history.
     end = recomputed[0] * bt if recompute_in_order and recomputed else history * bt
