@@ -337,3 +337,50 @@ def test_an_fp8_paged_caches_own_bytes_are_written_back_as_they_are(deltas):
         untouched[slots] = False
         flat = torch.arange(PAGED)[untouched]
         assert not keys[flat // page, flat % page].any() and not values[flat // page, flat % page].any()
+
+
+def _compiled_kernels() -> int:
+    """Kernels Triton has compiled so far for sekv's ops, over every specialization and device."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    kernels = {id(obj): obj for name, module in list(sys.modules.items()) if name.startswith("vllm_sekv.ops")
+               for obj in vars(module).values() if isinstance(obj, JITFunction)}
+    return sum(len(cache[0]) for kernel in kernels.values() for cache in kernel.device_caches.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec", ["exact", "fp8"])
+def test_after_the_warm_up_no_restore_compiles_a_kernel(codec):
+    """`warm_up` launches what real restores launch: afterwards restores
+    layer by layer and batched, moving keys or not, compile nothing more."""
+    from vllm_sekv.store import cudart
+
+    layers, bt, heads, dim, device = 3, 32, 2, 128, torch.device("cuda")
+    geometry = KVGeometry(num_layers=layers, kv_heads=heads, head_dim=dim, dtype=torch.bfloat16, world_size=1)
+    rope = RopeSpec(inv_freq=1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), rotary_dim=dim)
+    pool = HostPool(SLOTS, layers, bt, heads, dim, torch.bfloat16, pin_memory=True, codec=codec)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    caches = {name: torch.zeros(2, PAGED * bt, heads, dim, dtype=torch.bfloat16, device=device) for name in names}
+    context = SimpleNamespace(no_compile_layers={name: Layer() for name in names})
+
+    def restores(mode):
+        return DeviceRestores(pool, CaptureWriter(pool, device), caches, {name: i for i, name in enumerate(names)},
+                              geometry, rope, bt, mode, device, layerwise_copies=cudart.available())
+
+    layerwise = restores("layerwise")
+    layerwise.warm_up()
+    compiled = _compiled_kernels()
+    assert compiled > 0
+    host_rows = np.arange(4 * bt, 13 * bt)  # 9 whole slots, one run
+    for mode in ("layerwise", "batched") if cudart.available() else ("batched",):
+        r = layerwise if mode == "layerwise" else restores(mode)
+        for deltas in (None, np.arange(len(host_rows), dtype=np.int64) * 3 + 100):
+            op = RestoreOp("r", paged_slots=np.arange(len(host_rows), dtype=np.int64), host_rows=host_rows,
+                           rope_deltas=deltas)
+            r.start(context, 1, [op])
+            if r.layerwise:
+                r.finish()
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == compiled

@@ -48,6 +48,8 @@ too when it hands over plans). The layer-by-layer path also runs on CPU
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -207,6 +209,37 @@ class DeviceRestores:
         self._jobs: list[tuple[LayerwiseRestore, list[tuple[str, float]]]] = []
         self._head_start: HeadStart | None = None
         self._byte_views = _byte_views(kv_caches, layer_of, geometry) if pool.layer_params is not None else None
+
+    def warm_up(self) -> None:
+        """Run each restore path once, so that its kernels are compiled at
+        start-up rather than in a client's first restore: Triton compiles a
+        kernel at its first launch for each specialization it meets (the
+        arguments' dtypes, strides and alignment; rotating keys or not), which
+        took seconds in a server's first fp8 restore. Every path a restore of
+        this pool takes, with and without rotation, restores its first slots
+        with the restores' own buffers and writers to no paged slot: the
+        launches are those of real restores, and nothing is written. Waits for the
+        device; CUDA only (elsewhere nothing is compiled)."""
+        if self.device.type != "cuda":
+            return
+        started = time.monotonic()
+        bt = self.block_tokens
+        # One slot, and enough slots for a multiple of 16 tokens (integer arguments specialize on that).
+        for n in sorted({1, 16 // math.gcd(bt, 16)}):
+            slots = np.arange(min(n, self.pool.num_slots))
+            nowhere = to_device(np.full(len(slots) * bt, -1, dtype=np.int64), self.device)
+            deltas = to_device(np.zeros(len(slots) * bt, dtype=np.int64), self.device)
+            for rerope in (True, False):
+                writer = LayerWriter({}, self.geometry, self.rope, rerope)
+                self.pipeline.restore(self.pool.data, slots.tolist(), (), (), nowhere, deltas, self.rope,
+                                      write=writer.batch, scales=self.pool.scales)
+                if self.layerwise_copies:
+                    job = self._start_copies(slots)
+                    job.write = writer
+                    writer.route(nowhere, deltas if rerope else None)
+                    job.finish()
+        torch.cuda.synchronize(self.device)
+        logger.info("sekv: restore kernels ready in %.1f s", time.monotonic() - started)
 
     @property
     def layerwise(self) -> bool:

@@ -166,6 +166,7 @@ class SekvWorkerSide:
             self.restores = DeviceRestores(self.pool, self.capture_writer, kv_caches, self.layer_of, geo, self.rope,
                                            self.config.block_tokens, self.config.restore_mode, device,
                                            cudart.available(), self.config.resident_bytes)
+            self.restores.warm_up()
             if cudart.available():
                 head_start.register(head_start.engine_id(self.vllm_config), self)
         if self.config.router_path:
