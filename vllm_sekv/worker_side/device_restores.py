@@ -211,15 +211,13 @@ class DeviceRestores:
         self._byte_views = _byte_views(kv_caches, layer_of, geometry) if pool.layer_params is not None else None
 
     def warm_up(self) -> None:
-        """Run each restore path once, so that its kernels are compiled at
-        start-up rather than in a client's first restore: Triton compiles a
-        kernel at its first launch for each specialization it meets (the
-        arguments' dtypes, strides and alignment; rotating keys or not), which
-        took seconds in a server's first fp8 restore. Every path a restore of
-        this pool takes, with and without rotation, restores its first slots
-        with the restores' own buffers and writers to no paged slot: the
-        launches are those of real restores, and nothing is written. Waits for the
-        device; CUDA only (elsewhere nothing is compiled)."""
+        """Run each restore path once, so that its kernels compile at start-up,
+        not in a client's first restore: Triton compiles a kernel at its first
+        launch per specialization (dtypes, strides, alignment, rotation or
+        not), seconds in a server's first fp8 restore. Each path, rotating and
+        not, restores the pool's first slots with the restores' own buffers
+        and writers to no paged slot: real launches, nothing written. Waits
+        for the device; CUDA only."""
         if self.device.type != "cuda":
             return
         started = time.monotonic()
