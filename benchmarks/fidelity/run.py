@@ -106,6 +106,8 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-sel128-rcall-ord": ("views-rerank", {"view_select_blocks": 128, "recompute_blocks": 100000,
                                                        "recompute_layout": "in_order"}),
     "views-rerank-sel32": ("views-rerank", {"view_select_blocks": 32}),
+    "views-rerank-hop2-sel32-rcall-ord": ("views-rerank", {"view_select_blocks": 32, "probe_hops": 2,
+                                                           "recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,
