@@ -12,7 +12,7 @@ the CPU (greedy, as the servers did), so questions about what a view should
 hold are answered without a GPU:
 
 * `as-run`          the view as it was served: checks the replay (its answers
-                    against the GPU's, question by question).
+                    against the served view's, question by question).
 * `no-lookalikes`   the same view without the planted facts the question does
                     not ask about (`multikey`: the other keys' lines;
                     `vartrack`: the other chains' lines), their tokens
@@ -46,10 +46,12 @@ hold are answered without a GPU:
 Each answered view is a line of `replay/trials.jsonl` under `--out` (kept
 across calls; a trial already there is not answered again, and the command
 that answered it goes into `replay/commands.txt`); `replay.md` and
-`replay.json` are rebuilt from all of them on every call: per family and variant, the
-answers with their 95% interval, paired with `as-run` on the same questions
-(exact McNemar), and how often `as-run` agreed with the GPU. Needs vLLM's
-CPU build and the model's weights; about 25 s per 8K view on 2 cores.
+`replay.json` are rebuilt from all of them on every call: per run, family
+and variant, the answers with their 95% interval, paired with `as-run` on
+the same questions of the same run (exact McNemar), and how often `as-run`
+agreed with what the run's own view answered (`served`: on the GPU, or on
+the CPU for a run served there). Needs vLLM's CPU build and the model's
+weights; about 25 s per 8K view on 2 cores.
 """
 from __future__ import annotations
 
@@ -160,18 +162,19 @@ def summarize(trials: list[dict]) -> list[dict]:
     """One row per (family, method, variant): answers, interval, pairing with `as-run`."""
     by = collections.defaultdict(dict)
     for t in trials:
-        by[(t["family"], t["method"], t["variant"])][(t["seed"], t["question"])] = t
+        by[(t["run"], t["family"], t["method"], t["variant"])][(t["seed"], t["question"])] = t
     rows = []
-    for (family, method, variant), cell in sorted(by.items()):
+    for (run, family, method, variant), cell in sorted(by.items()):
         n, k = len(cell), sum(t["correct"] for t in cell.values())
         held = [t for t in cell.values() if t.get("evidence_in_view")]
-        row = {"family": family, "method": method, "variant": variant, "n": n, "correct": k,
+        row = {"run": run, "family": family, "method": method, "variant": variant, "n": n, "correct": k,
                "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)),
-               "gpu_correct": sum(t["gpu_correct"] for t in cell.values()),
+               "served_correct": sum(t["served_correct"] for t in cell.values()),
                "n_evidence_in_view": len(held), "correct_evidence_in_view": sum(t["correct"] for t in held)}
-        base = by.get((family, method, "as-run"), {})
+        base = by.get((run, family, method, "as-run"), {})
         if variant == "as-run":
-            row["same_answer_as_gpu"] = sum(t["response"].strip() == t["gpu_response"].strip() for t in cell.values())
+            row["same_answer_as_served"] = sum(t["response"].strip() == t["served_response"].strip()
+                                               for t in cell.values())
         elif base:
             pairs = [(cell[q]["correct"], base[q]["correct"]) for q in cell if q in base]
             row["paired_n"] = len(pairs)
@@ -179,17 +182,17 @@ def summarize(trials: list[dict]) -> list[dict]:
             row["lost"] = sum(b and not a for a, b in pairs)
             row["p"] = mcnemar(row["gained"], row["lost"])
         rows.append(row)
-    # families pooled, per method and variant
+    # families pooled, per run, method and variant
     pooled = collections.defaultdict(list)
     for r in rows:
-        pooled[(r["method"], r["variant"])].append(r)
-    for (method, variant), rs in sorted(pooled.items()):
+        pooled[(r["run"], r["method"], r["variant"])].append(r)
+    for (run, method, variant), rs in sorted(pooled.items()):
         if len(rs) < 2:
             continue
         n, k = sum(r["n"] for r in rs), sum(r["correct"] for r in rs)
-        row = {"family": "all", "method": method, "variant": variant, "n": n, "correct": k,
+        row = {"run": run, "family": "all", "method": method, "variant": variant, "n": n, "correct": k,
                "accuracy": round(k / n, 4), "ci95": list(wilson(k, n)),
-               "gpu_correct": sum(r["gpu_correct"] for r in rs),
+               "served_correct": sum(r["served_correct"] for r in rs),
                "n_evidence_in_view": sum(r["n_evidence_in_view"] for r in rs),
                "correct_evidence_in_view": sum(r["correct_evidence_in_view"] for r in rs)}
         if "gained" in rs[0]:
@@ -203,26 +206,28 @@ def markdown(rows: list[dict], meta: dict) -> list[str]:
     lines = H.header_from(meta, "Fidelity: recorded views replayed on the CPU") + [
         "Each view rebuilt from a run's `selected_blocks` (every block recomputed in virtual order, so the view "
         "is a prefill of its tokens), changed as the variant says, answered greedily by vLLM on the CPU. "
-        "`gpu` is what the GPU's view answered on the same questions; `same as GPU` counts `as-run` answers "
-        "equal to the GPU's, text for text; `where the view held it`: the questions whose served view held "
-        "the evidence (`answer_in_view`), correct of them. Paired with `as-run` on the same questions "
-        "(exact McNemar).", "",
-        "| family | method | variant | n | correct | accuracy (95% CI) | where the view held it | gpu | same as GPU "
-        "| gained / lost vs as-run (p) |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "`run`: the trial lines whose views are replayed (`runs/`; `cpu-` runs were served by vLLM on this "
+        "machine's CPU, the others on the GPU); `served` is what the run's own view answered on the same "
+        "questions; `same as served` counts `as-run` answers equal to it, text for text; `where the view held "
+        "it`: the questions whose served view held the evidence (`answer_in_view`), correct of them. Paired "
+        "with `as-run` on the same questions of the same run (exact McNemar).", "",
+        "| run | family | method | variant | n | correct | accuracy (95% CI) | where the view held it | served "
+        "| same as served | gained / lost vs as-run (p) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         paired = f"+{r['gained']} -{r['lost']} ({r['p']})" if "gained" in r else "-"
-        lines.append(f"| {r['family']} | `{r['method']}` | {r['variant']} | {r['n']} | {r['correct']} | "
+        lines.append(f"| {r['run']} | {r['family']} | `{r['method']}` | {r['variant']} | {r['n']} | {r['correct']} | "
                      f"{r['accuracy']:.2f} ({r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}) | "
-                     f"{r['correct_evidence_in_view']}/{r['n_evidence_in_view']} | {r['gpu_correct']} | "
-                     f"{r.get('same_answer_as_gpu', '-')} | {paired} |")
+                     f"{r['correct_evidence_in_view']}/{r['n_evidence_in_view']} | {r['served_correct']} | "
+                     f"{r.get('same_answer_as_served', '-')} | {paired} |")
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the evaluated model's folder")
-    ap.add_argument("--runs", nargs="+", required=True, help="trial lines (a trial in several files: the last)")
+    ap.add_argument("--runs", nargs="+", required=True,
+                    help="trial lines; each run's views are replayed and reported apart")
     ap.add_argument("--method", default="views-rerank-rcall-ord:8192",
                     help="a views method whose every selected block was recomputed in order")
     ap.add_argument("--families", default="vartrack,multikey")
@@ -249,7 +254,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    trials = read_trials(args.runs)
+    trials = {(Path(path).stem, *key): r for path in args.runs for key, r in read_trials([path]).items()}
     out_dir = Path(args.out)
     store = out_dir / "replay" / "trials.jsonl"
     store.parent.mkdir(parents=True, exist_ok=True)
@@ -257,17 +262,18 @@ def main() -> None:
     if store.exists():
         for line in store.read_text().splitlines():
             t = json.loads(line)
-            done.add((t["family"], t["seed"], t["question"], t["method"], t["variant"]))
+            done.add((t["run"], t["family"], t["seed"], t["question"], t["method"], t["variant"]))
 
     corpora, sessions = Corpora(), {}
     jobs = []  # (trial, variant, ids, note)
     separator = tokenizer(SEPARATOR, add_special_tokens=False)["input_ids"]
     for key, r in sorted(trials.items()):
-        family, length, seed, q, method = key
+        run, family, length, seed, q, method = key
         if family not in families or length != args.length or method != args.method or not r.get("selected_blocks"):
             continue
         todo = [v for v in args.variants
-                if (family, seed, q, method, variant_label(v, args.fill_top, args.fill_from, args.extra)) not in done]
+                if (run, family, seed, q, method, variant_label(v, args.fill_top, args.fill_from, args.extra))
+                not in done]
         if not todo:
             continue
         if (family, seed) not in sessions:
@@ -297,12 +303,12 @@ def main() -> None:
                         continue
                     best = [b for b in selected if b < args.sink_blocks] + r["ranked_blocks"][:args.fill_top]
                 else:
-                    smaller = trials.get((family, length, seed, q, args.fill_from))
+                    smaller = trials.get((run, family, length, seed, q, args.fill_from))
                     if smaller is None or not smaller.get("selected_blocks"):
                         continue
                     best = smaller["selected_blocks"]
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
-            jobs.append((r, variant_label(variant, args.fill_top, args.fill_from, args.extra), ids, note))
+            jobs.append((run, r, variant_label(variant, args.fill_top, args.fill_from, args.extra), ids, note))
     print(f"[replay] {len(jobs)} views to answer", flush=True)
     if jobs:
         with (store.parent / "commands.txt").open("a") as f:
@@ -317,23 +323,24 @@ def answer(jobs: list[tuple], sessions: dict, store: Path, args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(args.model, max_model_len=max(len(j[2]) for j in jobs) + args.max_tokens, enforce_eager=True,
+    llm = LLM(args.model, max_model_len=max(len(j[3]) for j in jobs) + args.max_tokens, enforce_eager=True,
               dtype="bfloat16", enable_prefix_caching=False)  # as the GPU's servers ran it
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    for i, (r, variant, ids, note) in enumerate(jobs):
+    for i, (run, r, variant, ids, note) in enumerate(jobs):
         started = time.monotonic()
         text = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0].text
         session = sessions[r["family"], r["seed"]]
-        row = {"family": r["family"], "history_tokens": r["history_tokens"], "seed": r["seed"],
+        row = {"run": run, "family": r["family"], "history_tokens": r["history_tokens"], "seed": r["seed"],
                "question": r["question"], "method": r["method"], "variant": variant,
                "correct": S.is_correct(session.questions[r["question"]], text), "response": text,
-               "gpu_correct": r["correct"], "gpu_response": r["response"], "view_tokens": len(ids),
+               "served_correct": r["correct"], "served_response": r["response"], "view_tokens": len(ids),
                "evidence_in_view": r.get("answer_in_view"),
                "seconds": round(time.monotonic() - started, 1), **note}
         with store.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"[replay] {i + 1}/{len(jobs)} {r['family']}-{r['seed']} q{r['question']} {variant:<14} "
-              f"{'ok ' if row['correct'] else 'BAD'} gpu={'ok ' if r['correct'] else 'BAD'} {text[:30]!r}", flush=True)
+        print(f"[replay] {i + 1}/{len(jobs)} {run} {r['family']}-{r['seed']} q{r['question']} {variant:<14} "
+              f"{'ok ' if row['correct'] else 'BAD'} served={'ok ' if r['correct'] else 'BAD'} {text[:30]!r}",
+              flush=True)
 
 
 def write_report(store: Path, out_dir: Path) -> None:

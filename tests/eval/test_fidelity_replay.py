@@ -72,17 +72,20 @@ def test_lookalikes_go_and_the_asked_facts_stay_even_cut_short(replay, model_dir
     assert replay.without_lookalikes(tokenizer, cut, "vartrack", evidence)[1] == 0
 
 
-def test_pairing_counts_gains_and_losses_against_as_run(replay):
-    def t(variant, q, correct):
-        return {"family": "vartrack", "method": "views-rerank-rcall-ord:8192", "variant": variant, "seed": 0,
-                "question": q, "correct": correct, "gpu_correct": q == 0, "response": "1", "gpu_response": "1"}
+def test_pairing_counts_gains_and_losses_against_as_run_of_the_same_run(replay):
+    def t(variant, q, correct, run="h200"):
+        return {"run": run, "family": "vartrack", "method": "views-rerank-rcall-ord:8192", "variant": variant,
+                "seed": 0, "question": q, "correct": correct, "served_correct": q == 0, "response": "1",
+                "served_response": "1"}
 
     trials = [t("as-run", 0, True), t("as-run", 1, False), t("as-run", 2, False),
-              t("no-lookalikes", 0, False), t("no-lookalikes", 1, True), t("no-lookalikes", 2, True)]
-    rows = {r["variant"]: r for r in replay.summarize(trials)}
-    assert rows["as-run"]["correct"] == 1 and rows["as-run"]["same_answer_as_gpu"] == 3
-    assert (rows["no-lookalikes"]["gained"], rows["no-lookalikes"]["lost"]) == (2, 1)
-    assert rows["no-lookalikes"]["gpu_correct"] == 1
+              t("no-lookalikes", 0, False), t("no-lookalikes", 1, True), t("no-lookalikes", 2, True),
+              t("as-run", 0, False, "cpu"), t("no-lookalikes", 0, True, "cpu")]  # another run of the same questions
+    rows = {(r["run"], r["variant"]): r for r in replay.summarize(trials)}
+    assert rows["h200", "as-run"]["correct"] == 1 and rows["h200", "as-run"]["same_answer_as_served"] == 3
+    assert (rows["h200", "no-lookalikes"]["gained"], rows["h200", "no-lookalikes"]["lost"]) == (2, 1)
+    assert rows["h200", "no-lookalikes"]["served_correct"] == 1
+    assert (rows["cpu", "no-lookalikes"]["gained"], rows["cpu", "no-lookalikes"]["lost"]) == (1, 0)
 
 
 def test_extra_blocks_come_from_the_selection_without_its_recent_window_or_the_evidence(replay):
