@@ -27,7 +27,11 @@ hold are answered without a GPU:
                     `ranked_blocks` (the selection's order, where the run
                     recorded it), or those of a smaller view of the same
                     question (`--fill-from`, a method of the same runs, e.g.
-                    `views-rerank-rcall-ord:4096`).
+                    `views-rerank-rcall-ord:4096`). With `--fill-context C`
+                    each ranked block brings C neighbours on each side, the
+                    neighbours counting against `--fill-top`, as a view
+                    with `view_select_blocks` and `view_context_blocks`
+                    selects (a line cut by a block boundary comes whole).
 * `evidence-fill`   the oracle's composition at the views' granularity: the
                     sink, the blocks of the question's evidence
                     (`answer_blocks`), then the latest history blocks up to
@@ -41,7 +45,7 @@ hold are answered without a GPU:
     python benchmarks/fidelity/replay.py --model QWEN_DIR --runs RUN.jsonl [RUN.jsonl ...] \\
         --method views-rerank-rcall-ord:8192 --families vartrack,squad \\
         --variants as-run no-lookalikes [--fill-from views-rerank-rcall-ord:4096] \\
-        [--fill-top 32] [--length 131072] [--out benchmarks/results/fidelity]
+        [--fill-top 32 [--fill-context 1]] [--length 131072] [--out benchmarks/results/fidelity]
 
 Each answered view is a line of `replay/trials.jsonl` under `--out` (kept
 across calls; a trial already there is not answered again, and the command
@@ -73,6 +77,7 @@ import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
+from vllm_sekv.workspace.passages import neighbours  # noqa: E402
 
 VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus")
 # Planted fact lines, whole or cut short by the end of a block.
@@ -114,6 +119,21 @@ def recency_filled(selected: list[int], smaller: list[int]) -> list[int]:
     return sorted(out)
 
 
+def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int) -> list[int]:
+    """The first `top` blocks that a selection with `context` neighbours per
+    block (`view_context_blocks`) takes from `ranked` (best first): each
+    block, then its neighbours, those in `[lo, hi)` (the candidates: after the
+    sink, before the recent window), as `view_passes.final_pass` takes them."""
+    chosen: dict[int, None] = {}
+    for block in ranked:
+        for b in neighbours(block, context):
+            if len(chosen) < top and lo <= b < hi:
+                chosen.setdefault(b)
+        if len(chosen) >= top:
+            break
+    return list(chosen)
+
+
 def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: int, seed: str) -> list[int]:
     """`n` of `selected` (its last `recent_blocks` and `best` aside), drawn
     at random; the same for the same `seed`."""
@@ -139,13 +159,15 @@ def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[st
     return [t for i, t in enumerate(ids) if i not in gone], len(drop)
 
 
-def variant_label(variant: str, fill_top: int | None, fill_from: str | None, extra: int) -> str:
+def variant_label(variant: str, fill_top: int | None, fill_from: str | None, extra: int, context: int = 0) -> str:
     """The name a variant's trials are stored and reported under."""
     if variant == "evidence-plus":
         return f"{variant}:{extra}"
     if variant != "recency-fill":
         return variant
-    return f"{variant}:top{fill_top}" if fill_top is not None else f"{variant}:{fill_from}"
+    if fill_top is None:
+        return f"{variant}:{fill_from}"
+    return f"{variant}:top{fill_top}" + (f"+ctx{context}" if context else "")
 
 
 def mcnemar(gained: int, lost: int) -> float:
@@ -235,6 +257,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["as-run", "no-lookalikes"], choices=VARIANTS)
     ap.add_argument("--fill-from", default=None, help="recency-fill: the smaller view's method")
     ap.add_argument("--fill-top", type=int, default=None, help="recency-fill: this many of the ranked blocks")
+    ap.add_argument("--fill-context", type=int, default=0,
+                    help="recency-fill with --fill-top: neighbours on each side of each ranked block")
     ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
     ap.add_argument("--recent-blocks", type=int, default=8, help="the views' recent window (recent_tokens 256)")
     ap.add_argument("--extra", type=int, default=32, help="evidence-plus: this many other selected blocks")
@@ -247,6 +271,9 @@ def main() -> None:
     if "recency-fill" in args.variants and (args.fill_from is None) == (args.fill_top is None):
         ap.error("--variants recency-fill needs one of --fill-from and --fill-top")
     families = args.families.split(",")
+
+    def label(variant: str) -> str:
+        return variant_label(variant, args.fill_top, args.fill_from, args.extra, args.fill_context)
     for f in families:
         if "no-lookalikes" in args.variants and f not in PLANTED:
             ap.error(f"--families {f}: no-lookalikes knows the planted facts of {', '.join(PLANTED)} only")
@@ -272,8 +299,7 @@ def main() -> None:
         if family not in families or length != args.length or method != args.method or not r.get("selected_blocks"):
             continue
         todo = [v for v in args.variants
-                if (run, family, seed, q, method, variant_label(v, args.fill_top, args.fill_from, args.extra))
-                not in done]
+                if (run, family, seed, q, method, label(v)) not in done]
         if not todo:
             continue
         if (family, seed) not in sessions:
@@ -301,14 +327,16 @@ def main() -> None:
                 if args.fill_top is not None:
                     if not r.get("ranked_blocks"):
                         continue
-                    best = [b for b in selected if b < args.sink_blocks] + r["ranked_blocks"][:args.fill_top]
+                    candidates = (args.sink_blocks, max(selected) + 1 - args.recent_blocks)
+                    best = [b for b in selected if b < args.sink_blocks] + top_blocks(
+                        r["ranked_blocks"], args.fill_top, args.fill_context, *candidates)
                 else:
                     smaller = trials.get((run, family, length, seed, q, args.fill_from))
                     if smaller is None or not smaller.get("selected_blocks"):
                         continue
                     best = smaller["selected_blocks"]
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
-            jobs.append((run, r, variant_label(variant, args.fill_top, args.fill_from, args.extra), ids, note))
+            jobs.append((run, r, label(variant), ids, note))
     print(f"[replay] {len(jobs)} views to answer", flush=True)
     if jobs:
         with (store.parent / "commands.txt").open("a") as f:

@@ -96,3 +96,18 @@ def test_extra_blocks_come_from_the_selection_without_its_recent_window_or_the_e
     assert not set(extra) & {0, 2, 10, 40, 41, 42, 43} and set(extra) <= set(selected)
     assert extra == replay.other_blocks(selected, best, 4, 5, "vartrack/5/1")  # the same draw again
     assert len(replay.other_blocks(selected, best, 4, 100, "x")) == 20 - 3  # no more than there are
+
+
+@pytest.mark.parametrize("top, context", [(3, 0), (5, 1), (4, 2)])
+def test_the_best_blocks_are_those_a_limited_selection_takes(replay, top, context):
+    """`top_blocks` over a full selection's `ranked_blocks` gives the blocks
+    that a view with `view_select_blocks` and `view_context_blocks` selects."""
+    from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
+
+    budget = ViewBudget(block_tokens=8, view_tokens=160, sink_tokens=8, recent_tokens=16)
+    probe = first_pass(40 * 8 + 3, matched_blocks=40, budget=budget)
+    scores = [float((7 * i) % 11) for i in range(len(probe.candidates))]
+    full = final_pass(probe, scores, budget)
+    limited = final_pass(probe, scores, budget, context, select_blocks=top)
+    lo, hi = probe.candidates[0], probe.candidates[-1] + 1
+    assert replay.top_blocks(list(full.ranked), top, context, lo, hi) == list(limited.ranked)
