@@ -101,9 +101,10 @@ class ViewPass:
     # FINAL: virtual blocks computed in the pass after the restored history,
     # before the tail (virtual order; disjoint from history_blocks).
     recomputed: tuple[int, ...] = ()
-    # FINAL: the selected blocks (sink and recent aside) in the order the
-    # selection took them, best first, each block's neighbours or passage
-    # after it. What a response reports; the pass does not depend on it.
+    # FINAL: the selected blocks (sink, recent and the latest history that
+    # fills what `select_blocks` leaves aside) in the order the selection
+    # took them, best first, each block's neighbours or passage after it.
+    # What a response reports; the pass does not depend on it.
     ranked: tuple[int, ...] = ()
 
     @property
