@@ -363,7 +363,7 @@ def answer(jobs: list[tuple], sessions: dict, store: Path, args) -> None:
                "correct": S.is_correct(session.questions[r["question"]], text), "response": text,
                "served_correct": r["correct"], "served_response": r["response"], "view_tokens": len(ids),
                "evidence_in_view": r.get("answer_in_view"),
-               "seconds": round(time.monotonic() - started, 1), **note}
+               "evidence_rank": evidence_rank(r), "seconds": round(time.monotonic() - started, 1), **note}
         with store.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[replay] {i + 1}/{len(jobs)} {run} {r['family']}-{r['seed']} q{r['question']} {variant:<14} "
@@ -371,16 +371,59 @@ def answer(jobs: list[tuple], sessions: dict, store: Path, args) -> None:
               flush=True)
 
 
+def evidence_rank(trial: dict) -> int | None:
+    """How many of a trial's `ranked_blocks` (best first) a selection must
+    take to hold every block of the evidence (`answer_blocks`); None where
+    the run recorded no ranking or the ranking lacks one of them."""
+    ranked, evidence = trial.get("ranked_blocks"), trial.get("answer_blocks")
+    if not ranked or not evidence or not set(evidence) <= set(ranked):
+        return None
+    return 1 + max(ranked.index(b) for b in evidence)
+
+
+RANK_CUTS = (16, 32, 64, 128)
+
+
+def evidence_ranks(trials: list[dict]) -> list[dict]:
+    """Per run and family whose trials carry `evidence_rank`: of its
+    questions, how many hold their whole evidence within the best K ranked
+    blocks, for each K of RANK_CUTS and for the whole selection."""
+    by = collections.defaultdict(dict)
+    for t in trials:
+        if "evidence_rank" in t:
+            by[(t["run"], t["family"], t["method"])][(t["seed"], t["question"])] = t["evidence_rank"]
+    rows = []
+    for (run, family, method), ranks in sorted(by.items()):
+        known = [k for k in ranks.values() if k is not None]
+        rows.append({"run": run, "family": family, "method": method, "n": len(ranks),
+                     "within": {str(cut): sum(k <= cut for k in known) for cut in RANK_CUTS},
+                     "within_selection": len(known), "ranks": sorted(known)})
+    return rows
+
+
 def write_report(store: Path, out_dir: Path) -> None:
     """`replay.json` and `replay.md` from every stored trial, headed by the
     commands that answered them."""
     if not store.exists():
         return
-    rows = summarize([json.loads(line) for line in store.read_text().splitlines()])
+    trials = [json.loads(line) for line in store.read_text().splitlines()]
+    rows, ranks = summarize(trials), evidence_ranks(trials)
     commands = store.parent / "commands.txt"
     meta = H.meta(commands.read_text().splitlines() if commands.exists() else [H.command(__file__)])
-    (out_dir / "replay.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    H.write_report(out_dir / "replay.md", markdown(rows, meta))
+    (out_dir / "replay.json").write_text(json.dumps({"meta": meta, "rows": rows, "evidence_ranks": ranks},
+                                                    indent=1) + "\n")
+    lines = markdown(rows, meta)
+    if ranks:
+        lines += ["", "Where the selection ranked the evidence (runs that recorded `ranked_blocks`): of each "
+                  "cell's questions, those whose evidence blocks all rank within the best K.", "",
+                  "| run | family | method | n | " + " | ".join(f"best {k}" for k in RANK_CUTS)
+                  + " | in the selection | ranks needed |",
+                  "|---|---|---|---|" + "---|" * (len(RANK_CUTS) + 2)]
+        for r in ranks:
+            lines.append(f"| {r['run']} | {r['family']} | `{r['method']}` | {r['n']} | "
+                         + " | ".join(str(r["within"][str(k)]) for k in RANK_CUTS)
+                         + f" | {r['within_selection']} | {', '.join(map(str, r['ranks']))} |")
+    H.write_report(out_dir / "replay.md", lines)
 
 
 if __name__ == "__main__":

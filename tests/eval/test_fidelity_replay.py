@@ -111,3 +111,14 @@ def test_the_best_blocks_are_those_a_limited_selection_takes(replay, top, contex
     limited = final_pass(probe, scores, budget, context, select_blocks=top)
     lo, hi = probe.candidates[0], probe.candidates[-1] + 1
     assert replay.top_blocks(list(full.ranked), top, context, lo, hi) == list(limited.ranked)
+
+
+def test_the_evidence_rank_is_how_far_down_the_ranking_its_last_block_sits(replay):
+    assert replay.evidence_rank({"ranked_blocks": [9, 4, 7, 2], "answer_blocks": [7, 9]}) == 3
+    assert replay.evidence_rank({"ranked_blocks": [9, 4], "answer_blocks": [7, 9]}) is None  # not all ranked
+    assert replay.evidence_rank({"answer_blocks": [7]}) is None  # no ranking recorded
+    trials = [{"run": "cpu", "family": "vartrack", "method": "m", "seed": 0, "question": q, "evidence_rank": k}
+              for q, k in enumerate([3, 40, None, 100])]
+    (row,) = replay.evidence_ranks(trials + [{**trials[0], "variant": "other"}])  # a question counts once
+    assert row["n"] == 4 and row["within"] == {"16": 1, "32": 1, "64": 2, "128": 3}
+    assert row["within_selection"] == 3 and row["ranks"] == [3, 40, 100]
