@@ -211,32 +211,31 @@ class DeviceRestores:
         self._byte_views = _byte_views(kv_caches, layer_of, geometry) if pool.layer_params is not None else None
 
     def warm_up(self) -> None:
-        """Run each restore path once, so that its kernels compile at start-up,
-        not in a client's first restore: Triton compiles a kernel at its first
-        launch per specialization (dtypes, strides, alignment, rotation or
-        not), seconds in a server's first fp8 restore. Each path, rotating and
-        not, restores the pool's first slots with the restores' own buffers
-        and writers to no paged slot: real launches, nothing written. Waits
-        for the device; CUDA only."""
-        if self.device.type != "cuda":
+        """Run each restore path (batched, layer by layer; rotating or not) once on the pool's first
+        slots with the restores' own buffers and writers into no paged slot, so that Triton compiles
+        their kernels now: it compiles at a kernel's first launch per specialization (dtypes, strides,
+        alignment), which took seconds in a server's first fp8 restore. CUDA only; waits for it."""
+        if self.device.type != "cuda" or not self.pool.num_slots:
             return
-        started = time.monotonic()
-        bt = self.block_tokens
-        # One slot, and enough slots for a multiple of 16 tokens (integer arguments specialize on that).
-        for n in sorted({1, 16 // math.gcd(bt, 16)}):
-            slots = np.arange(min(n, self.pool.num_slots))
-            nowhere = to_device(np.full(len(slots) * bt, -1, dtype=np.int64), self.device)
-            deltas = to_device(np.zeros(len(slots) * bt, dtype=np.int64), self.device)
-            for rerope in (True, False):
-                writer = LayerWriter({}, self.geometry, self.rope, rerope)
-                self.pipeline.restore(self.pool.data, slots.tolist(), (), (), nowhere, deltas, self.rope,
-                                      write=writer.batch, scales=self.pool.scales)
-                if self.layerwise_copies:
-                    job = self._start_copies(slots)
-                    job.write = writer
-                    writer.route(nowhere, deltas if rerope else None)
-                    job.finish()
-        torch.cuda.synchronize(self.device)
+        started, bt = time.monotonic(), self.block_tokens
+        try:  # one slot, and enough for a multiple of 16 tokens (integer arguments specialize on that)
+            for n in sorted({1, 16 // math.gcd(bt, 16)}):
+                slots = np.arange(min(n, self.pool.num_slots))
+                nowhere = to_device(np.full(len(slots) * bt, -1, dtype=np.int64), self.device)
+                deltas = to_device(np.zeros(len(slots) * bt, dtype=np.int64), self.device)
+                for rerope in (True, False):
+                    writer = LayerWriter({}, self.geometry, self.rope, rerope)
+                    self.pipeline.restore(self.pool.data, slots.tolist(), (), (), nowhere, deltas, self.rope,
+                                          write=writer.batch, scales=self.pool.scales)
+                    if self.layerwise_copies:
+                        job = self._start_copies(slots)
+                        job.write = writer
+                        writer.route(nowhere, deltas if rerope else None)
+                        job.finish()
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - a restore compiles what it needs at its first launch anyway
+            logger.warning("sekv: the restores' warm-up failed (%s); the first restores compile their kernels", e)
+            return
         logger.info("sekv: restore kernels ready in %.1f s", time.monotonic() - started)
 
     @property
