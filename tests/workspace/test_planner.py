@@ -299,3 +299,27 @@ def test_committed_blocks_are_written_to_the_remote_tier_and_stay_until_written(
     assert eng.admit("b", [9] * 40) == 0 and not eng.run({"b": (0, 40)}).capture_host_rows.size  # all 5 busy
     eng.planner.io_done([("remote_write", op.block_hash, True) for op in writes])
     assert eng.admit("c", [8] * 40) == 0 and eng.run({"c": (0, 40)}).capture_host_rows.size  # written: they may go
+
+
+def test_a_long_prompt_never_evicts_its_own_first_blocks_ahead_of_an_idle_sessions():
+    """SLRU keeps blocks used again (an idle session's history) protected and
+    evicts from probation first, where a request's newly committed blocks
+    are: while it runs, those are pinned, so its later captures evict the idle
+    session's blocks instead of its own first ones."""
+    from vllm_sekv.store.policy import SLRUPolicy
+    from vllm_sekv.workspace.hashing import extend_block_hashes
+
+    eng = Engine(num_slots=10)
+    eng.catalog = eng.planner.catalog = BlockCatalog(10, SLRUPolicy(10, 0.8))
+    idle = list(range(1, 49))  # 6 blocks, used twice: protected
+    prefill_and_finish(eng, "a", idle)
+    eng.catalog.touch(eng.catalog.match_prefix(extend_block_hashes([], idle, BT, "")))
+    prompt = list(range(500, 564))  # 8 blocks, prefilled in two steps of 4
+    eng.admit("b", prompt)
+    eng.run({"b": (0, 32)})
+    eng.run({"b": (32, 32)})  # 4 free slots taken by the first step: 4 evictions
+    eng.planner.finish("b", prompt, len(prompt))
+    eng.run({})
+    assert len(eng.catalog.match_prefix(extend_block_hashes([], prompt, BT, ""))) == 8
+    assert sum(h in eng.catalog for h in extend_block_hashes([], idle, BT, "")) == 2  # the idle session paid
+    assert all(rec.pins == 0 for rec in eng.catalog.match_prefix(extend_block_hashes([], prompt, BT, "")))

@@ -11,7 +11,8 @@ Per request it
     into which host rows (`plan_step`), reserving a slot per new block;
   * commits a block once all its tokens were captured in confirmed steps and
     its token ids are known (`confirm`), and then asks the worker to index it
-    and, with an NVMe tier, to write it behind;
+    and, with an NVMe tier, to write it behind; a live request's own blocks
+    stay pinned until it ends, never victims of its later captures;
   * when a match reaches blocks held only on NVMe, has the worker read them
     back into host slots and answers "not yet" (None) until the checked reads
     are confirmed; a failed read ends the match there (a miss).
@@ -38,9 +39,7 @@ import numpy as np
 from vllm_sekv.workspace.catalog import BlockCatalog, BlockRecord, NvmeState
 from vllm_sekv.workspace.hashing import PrefixHashMemo, extend_block_hashes
 from vllm_sekv.workspace.coarse_plan import CoarsePlan
-from vllm_sekv.workspace.step_plan import (
-    CoarseOp, LowRankBlock, RestoreOp, StepPlan,
-)
+from vllm_sekv.workspace.step_plan import CoarseOp, LowRankBlock, RestoreOp, StepPlan
 from vllm_sekv.workspace.request_state import RequestState, prompt_key
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.tier_queues import TierQueues
@@ -209,8 +208,8 @@ class WorkspacePlanner:
         the request's views; None while blocks of them are read from NVMe."""
         st = self._state(req_id, prompt_token_ids, tenant, session_id)
         self._hash_prompt(st, prompt_token_ids)
-        self.catalog.unpin(st.waiting_pins + st.view_pins)
-        st.waiting_pins, st.view_pins = [], []
+        self.catalog.unpin(st.waiting_pins + st.held_pins)
+        st.waiting_pins, st.held_pins = [], []
         held = self._held(st, 0)
         usable, reading = self._promote(held, st)
         self.catalog.pin(held[:usable])
@@ -218,7 +217,7 @@ class WorkspacePlanner:
             st.waiting_pins = held[:usable]
             return None
         st.matched, st.match_first_block = held[:usable], 0
-        st.view_pins = st.matched
+        st.held_pins = list(st.matched)
         return usable
 
     def _state(self, req_id: str, prompt_token_ids: Sequence[int], tenant: str,
@@ -243,8 +242,8 @@ class WorkspacePlanner:
             del self.requests[st.req_id]
         if not st.finished:  # a live request's id taken over: its work is void
             self._release_captures(st)
-            self.catalog.unpin(st.waiting_pins + st.view_pins)
-            st.waiting_pins, st.view_pins = [], []
+            self.catalog.unpin(st.waiting_pins + st.held_pins)
+            st.waiting_pins, st.held_pins = [], []
             st.finished = True
         if st.captures or st.restore_pins:
             self._retired.append(st)
@@ -447,6 +446,9 @@ class WorkspacePlanner:
                     continue
                 del st.captures[b]
                 if self.catalog.commit(rec, st.hashes[b]):
+                    if not st.finished:  # never a victim of its own later captures (`held_pins`)
+                        self.catalog.pin([rec])
+                        st.held_pins.append(rec)
                     self._index_queue.append((rec.host_slot, rec.start_token))
                     self.transfers.queue_writes(rec, nvme=rec.nvme is NvmeState.WRITING,
                                                 remote=self.remote_lookup is not None)
@@ -479,8 +481,8 @@ class WorkspacePlanner:
         if st.coarse:
             st.coarse = False
             self._coarse_finished.append(req_id)
-        self.catalog.unpin(st.waiting_pins + st.view_pins)
-        st.waiting_pins, st.view_pins = [], []
+        self.catalog.unpin(st.waiting_pins + st.held_pins)
+        st.waiting_pins, st.held_pins = [], []
         bt = self.block_tokens
         extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.tenant)
         self._release_captures(st, complete_blocks=len(st.hashes))

@@ -43,11 +43,13 @@ class RequestState:
     skip_blocks: set[int] = field(default_factory=set)  # not ours to capture
     capture_broken: bool = False  # the tier was full: stop reserving
     finished: bool = False
-    # Execution views: the current pass, and the blocks pinned for the whole
-    # request (its history, from the first match to the end).
+    # Blocks pinned until the request ends: the blocks it committed itself
+    # (never victims of its own later captures while it runs), and for
+    # execution views its matched history (re-pinned at every match).
+    held_pins: list[BlockRecord] = field(default_factory=list)
+    # Execution views: the current pass.
     view: ViewPass | None = None
     view_virtual: np.ndarray | None = None  # virtual position of each of the view's history tokens
-    view_pins: list[BlockRecord] = field(default_factory=list)
     # SeKV coarse attention of the current view: on while `coarse`; the
     # summaries go to the worker with the view's first step.
     coarse: bool = False
