@@ -488,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         if view is not None:
             row["view_tokens"] = view.get("view_tokens")
             row["view_passes"] = view.get("passes")
+            if view.get("truncated"):  # the workspace did not hold the history: served from its last tokens
+                row["truncated"] = True
             row["pass_seconds"] = view.get("pass_seconds")
             row["restored_tokens"] = (r["sekv"] or {}).get("restored_tokens")
             row["selected_blocks"] = view.get("selected_blocks")
