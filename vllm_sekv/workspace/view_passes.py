@@ -46,6 +46,7 @@ it as an unfinished chunked prefill and never samples from it: nothing of an
 from __future__ import annotations
 
 import enum
+import itertools
 import operator
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -292,7 +293,8 @@ def final_pass(
         if len(chosen) >= limit:
             break
     # What the selection leaves of the room (`select_blocks`): the latest candidates it did not take.
-    latest = [b for b in reversed(probe.candidates) if b not in chosen][: room - len(chosen)]
+    latest = list(itertools.islice((b for b in reversed(probe.candidates) if b not in chosen),
+                                   max(0, room - len(chosen))))
     recomputed = sorted(list(chosen)[:recompute_blocks])
     if recompute_in_order and recomputed:
         recomputed = sorted(b for b in [*chosen, *latest] if b >= recomputed[0]) + recent
