@@ -181,7 +181,7 @@ def mcnemar(gained: int, lost: int) -> float:
 
 
 def summarize(trials: list[dict]) -> list[dict]:
-    """One row per (family, method, variant): answers, interval, pairing with `as-run`."""
+    """One row per (run, family, method, variant): answers, interval, pairing with `as-run`."""
     by = collections.defaultdict(dict)
     for t in trials:
         by[(t["run"], t["family"], t["method"], t["variant"])][(t["seed"], t["question"])] = t
