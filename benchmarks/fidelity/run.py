@@ -105,13 +105,8 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
                                                       "recompute_layout": "in_order"}),
     "views-rerank-sel128-rcall-ord": ("views-rerank", {"view_select_blocks": 128, "recompute_blocks": 100000,
                                                        "recompute_layout": "in_order"}),
-    "views-rerank-sel32": ("views-rerank", {"view_select_blocks": 32}),
-    # the same with each selected block's neighbours (a fact cut by a block boundary comes whole), counted in
-    "views-rerank-sel32-ctx1-rcall-ord": ("views-rerank", {"view_select_blocks": 32, "view_context_blocks": 1,
-                                                           "recompute_blocks": 100000, "recompute_layout": "in_order"}),
-    "views-rerank-sel64-ctx1-rcall-ord": ("views-rerank", {"view_select_blocks": 64, "view_context_blocks": 1,
-                                                           "recompute_blocks": 100000, "recompute_layout": "in_order"}),
-    "views-rerank-hop2-sel32-rcall-ord": ("views-rerank", {"view_select_blocks": 32, "probe_hops": 2,
+    # and a second probe behind the first one's limited view: the chain's next line, found from the first
+    "views-rerank-hop2-sel64-rcall-ord": ("views-rerank", {"view_select_blocks": 64, "probe_hops": 2,
                                                            "recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
