@@ -15,7 +15,8 @@ from testbed.serving import LocalServer
 
 pytestmark = pytest.mark.engine
 
-VLLM_ARGS = ["--max-model-len", "16384", "--max-num-batched-tokens", "1024", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
+VLLM_ARGS = ["--max-model-len", "16384", "--max-num-batched-tokens", "1024", "--enforce-eager",
+             "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
 ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
