@@ -208,6 +208,14 @@ class SekvConfig:
     # takes them in that order, ahead of the rest. Tells apart blocks that a
     # summary cannot (look-alike facts that differ in one token).
     rerank_blocks: int = 0
+    # The heads the re-rank combines: a file written by `vllm-sekv
+    # calibrate-heads MODEL --out PATH` ("" = every query head). A block's
+    # re-rank score is then its best mass over the model's retrieval heads
+    # only (`index.retrieval_heads`), not over heads that attend by position
+    # or to sink tokens whatever the question. Needs `rerank_blocks`; the file
+    # is read here, at start-up, and checked against the served model by the
+    # worker.
+    rerank_heads_path: str = ""
     # Lexical selection (0 = off): every history block is also scored by BM25
     # over token ids against the new tokens (`index.lexical`, a passage that
     # shares the question's rare words), and the view ranks blocks by the
@@ -286,8 +294,8 @@ class SekvConfig:
     workspace_codec: str = "exact"
 
     _SIZES = ("host_bytes", "nvme_bytes", "resident_bytes")
-    _STRINGS = ("nvme_dir", "index_combine", "router_path", "restore_codec", "hash_secret", "remote_url",
-                "remote_prefix")
+    _STRINGS = ("nvme_dir", "index_combine", "router_path", "rerank_heads_path", "restore_codec", "hash_secret",
+                "remote_url", "remote_prefix")
     _FLOATS = ("anchor_alpha", "lexical_weight")
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF,
@@ -404,6 +412,13 @@ class SekvConfig:
         if self.lexical_candidates and not self.rerank_blocks:
             raise ValueError("sekv config 'lexical_candidates': lexical candidates join the token-level "
                              "re-rank; set 'rerank_blocks' too")
+        if self.rerank_heads_path:
+            if not self.rerank_blocks:
+                raise ValueError("sekv config 'rerank_heads_path': the heads are the token-level re-rank's; "
+                                 "set 'rerank_blocks' too")
+            from vllm_sekv.index.retrieval_heads import read_heads_file
+
+            read_heads_file(self.rerank_heads_path)  # raises naming 'rerank_heads_path'
         if self.rerank_blocks and self.router_path:
             raise ValueError("sekv config 'rerank_blocks': the zoom router ranks blocks on its own; "
                              "use rerank_blocks 0 with router_path")

@@ -351,8 +351,10 @@ def answer(jobs: list[tuple], sessions: dict, store: Path, args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # a view's KV is a few hundred MB: a 2 GiB cache leaves the machine's memory to other work
     llm = LLM(args.model, max_model_len=max(len(j[3]) for j in jobs) + args.max_tokens, enforce_eager=True,
-              dtype="bfloat16", enable_prefix_caching=False)  # as the GPU's servers ran it
+              dtype="bfloat16", enable_prefix_caching=False,  # as the GPU's servers ran it
+              kv_cache_memory_bytes=2 << 30)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     for i, (run, r, variant, ids, note) in enumerate(jobs):
         started = time.monotonic()

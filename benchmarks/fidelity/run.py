@@ -52,6 +52,7 @@ from testbed.serving import metrics  # noqa: E402
 
 # The zoom router trained for the evaluation's model (benchmarks/results/fidelity/router/README.md).
 ROUTER = Path(__file__).resolve().parents[1] / "results" / "fidelity" / "router" / "qwen2.5-coder-1.5b.router"
+HEADS = Path(__file__).resolve().parents[1] / "results" / "fidelity" / "heads" / "qwen2.5-coder-1.5b.heads.json"
 SEKV_CONFIGS: dict[str, dict] = {
     "views": {},
     "views-rerank": {"rerank_blocks": 1024},
@@ -62,6 +63,8 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank-lexc": {"rerank_blocks": 1024, "lexical_candidates": 256},
     # every candidate re-ranked: the index's cut out of the selection
     "views-rerankall": {"rerank_blocks": 1 << 20},
+    # the re-rank over the model's 16 retrieval heads only (`vllm-sekv calibrate-heads`, HEADS: Qwen's)
+    "views-rerank-rh": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS)},
     # fewer selected blocks, the rest of an 8K view the latest history (as the oracle fills its
     # room): about 120 and 28 selected blocks next to 4K and 7K recent tokens. A history is ingested
     # in chunks of that room too: about 33 and 136 passes for 131072 tokens, against 17
@@ -108,6 +111,13 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     # and a second probe behind the first one's limited view: the chain's next line, found from the first
     "views-rerank-hop2-sel64-rcall-ord": ("views-rerank", {"view_select_blocks": 64, "probe_hops": 2,
                                                            "recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    # the re-rank over the retrieval heads, with one and two probes, the full and a 64-block selection
+    "views-rerank-rh-rcall-ord": ("views-rerank-rh", {"recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    "views-rerank-rh-hop2-rcall-ord": ("views-rerank-rh", {"probe_hops": 2, "recompute_blocks": 100000,
+                                                           "recompute_layout": "in_order"}),
+    "views-rerank-rh-hop2-sel64-rcall-ord": ("views-rerank-rh", {"view_select_blocks": 64, "probe_hops": 2,
+                                                                 "recompute_blocks": 100000,
+                                                                 "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,

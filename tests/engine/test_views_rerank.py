@@ -10,6 +10,9 @@ on this session leave the fact's block out of the view. The re-rank scores
 the index's single best candidate and the two blocks BM25 ranks best against
 the question's block, and a view takes every re-ranked block ahead of the
 rest: the block that holds the fact's rare words must be in the final view.
+The same session again with the re-rank combining only the model's retrieval
+heads (`rerank_heads_path`, a file `vllm-sekv calibrate-heads` writes here),
+and a heads file measured on another model stopping the server at start-up.
 """
 import numpy as np
 import pytest
@@ -26,20 +29,40 @@ FACT = " The vault code of the Zanzibar quarry ledger is 7319. "
 QUESTION = "\n\nQuestion: what is the vault code of the Zanzibar quarry ledger?\nAnswer:"
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory, model_dir, essay):
-    tmp = tmp_path_factory.mktemp("rerank-lexical")
+def _serve(tmp_path_factory, model_dir, essay, sekv, name):
+    tmp = tmp_path_factory.mktemp(name)
     turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:4000] + FACT + essay[4000:5000],
              "\n\nTool output:\n" + essay[5000:6500] + QUESTION]
-    spec = {"model": model_dir, "sekv": SEKV, "turns": turns, "max_tokens": 8, "salt": "a",
+    spec = {"model": model_dir, "sekv": sekv, "turns": turns, "max_tokens": 8, "salt": "a",
             "other_salt": "b", "dtype": "float32"}
-    return run_runner("session_runner.py", spec, tmp, "sekv-rerank-lexical")
+    return run_runner("session_runner.py", spec, tmp, name)
 
 
-def test_the_block_holding_the_questions_rare_words_is_in_the_view(session, model_dir):
+@pytest.fixture(scope="module")
+def session(tmp_path_factory, model_dir, essay):
+    return _serve(tmp_path_factory, model_dir, essay, SEKV, "sekv-rerank-lexical")
+
+
+@pytest.fixture(scope="module")
+def heads_file(tmp_path_factory, model_dir):
+    from vllm_sekv.cli import main
+
+    path = str(tmp_path_factory.mktemp("heads") / "smollm2_heads.json")
+    assert main(["calibrate-heads", model_dir, "--out", path, "--texts", "2", "--tokens", "512"]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def session_with_heads(tmp_path_factory, model_dir, essay, heads_file):
+    return _serve(tmp_path_factory, model_dir, essay, {**SEKV, "rerank_heads_path": heads_file},
+                  "sekv-rerank-heads")
+
+
+@pytest.mark.parametrize("served", ["session", "session_with_heads"])
+def test_the_block_holding_the_questions_rare_words_is_in_the_view(served, request, model_dir):
     from transformers import AutoTokenizer
 
-    last = session["steps"][2]
+    last = request.getfixturevalue(served)["steps"][2]
     view = last["kv_transfer_params"]["sekv"]["view"]
     prompt = last["prompt_token_ids"]
     assert len(prompt) > 3 * SEKV["view_tokens"]
@@ -53,3 +76,24 @@ def test_the_block_holding_the_questions_rare_words_is_in_the_view(session, mode
     assert fact_blocks & set(view["selected_blocks"])
     selected = len(view["selected_blocks"]) - (SEKV["sink_tokens"] + SEKV["recent_tokens"]) // BT
     assert selected >= 3  # room for every re-ranked block
+
+
+def test_a_heads_file_of_another_model_stops_the_server_at_start_up(model_dir, heads_file, tmp_path):
+    """The file is read when the config is (a malformed one fails there); its
+    model fingerprint is checked by the worker against the served model."""
+    import dataclasses
+
+    from testbed.serving import LocalServer
+    from vllm_sekv.index.retrieval_heads import RetrievalHeads, read_heads_file
+
+    found = read_heads_file(heads_file)
+    geometry = dataclasses.replace(found.geometry, num_layers=found.geometry.num_layers + 2)
+    other = tmp_path / "other_heads.json"
+    RetrievalHeads(geometry, found.heads, found.share, found.calibration).write(str(other))
+    server = LocalServer(model_dir, sekv={**SEKV, "rerank_heads_path": str(other)},
+                         vllm_args=["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32"],
+                         env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    with pytest.raises(RuntimeError, match="server exited"):
+        server.start(timeout_s=300)
+    log = server.log_path.read_text(errors="replace")
+    assert "sekv config 'rerank_heads_path'" in log and "calibrated on another model" in log

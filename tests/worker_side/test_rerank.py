@@ -26,7 +26,7 @@ def _keys(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, LAYERS, BT, KV_HEADS, D, generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(queries, positions, keys, starts, distance, combine):
+def _reference(queries, positions, keys, starts, distance, combine, heads=None):
     """Every candidate token at `min(positions) - distance + j`, one softmax
     over all of them per (layer, query head, query), mass summed per block
     and over queries, heads combined."""
@@ -43,6 +43,8 @@ def _reference(queries, positions, keys, starts, distance, combine):
             k = moved[:, :, layer, h // group].reshape(n * BT, D)
             logits = queries[layer, :, h].double() @ k.T / math.sqrt(D)  # [m, n*T]
             mass[layer, h] = torch.softmax(logits, -1).reshape(-1, n, BT).sum(-1).sum(0)
+    if heads is not None:  # [(layer, head), ...]
+        mass = torch.stack([mass[layer, h] for layer, h in heads])
     return combine_heads(mass, combine)
 
 
@@ -56,6 +58,42 @@ def test_rerank_equals_one_softmax_over_every_candidate_token(combine):
                  chunk_blocks=2)  # three chunks
     want = _reference(queries, positions, keys, starts, 120, combine)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_with_retrieval_heads_only_their_mass_is_combined():
+    """`heads` (config `rerank_heads_path`): the combine runs over the listed
+    (layer, query head) pairs only, in any order."""
+    keys = _keys(4, 8)
+    starts = torch.tensor([0, 64, 128, 400])
+    queries = torch.randn(LAYERS, 5, Q_HEADS, D, generator=torch.Generator().manual_seed(9))
+    positions = torch.arange(500, 505)
+    heads = [(2, 1), (0, 3)]
+    flat = torch.tensor([layer * Q_HEADS + h for layer, h in heads])
+    for combine in ("max", "mean"):
+        got = rerank(queries, positions, [0, 1, 2, 3], starts, lambda slots: keys[slots], ROPE, 100, combine,
+                     heads=flat)
+        want = _reference(queries, positions, keys, starts, 100, combine, heads)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sink_in_a_head_outside_the_retrieval_heads_no_longer_outranks_the_asked_block():
+    """Block 0 holds a token that one head attends whatever the query (a
+    sink); block 1 holds the asked token, which another head finds. Over
+    every head the sink's block wins; over the retrieval head, the asked one."""
+    keys = torch.zeros(2, LAYERS, BT, KV_HEADS, D)
+    needle = torch.zeros(D)
+    needle[D // 2 - 1] = 1.0  # the slowest rotary pair: the blocks' placement hardly turns it
+    queries = torch.zeros(LAYERS, 4, Q_HEADS, D)
+    queries[..., 1, :] = 4 * needle        # query head 1 (KV head 0): looks for the asked token
+    queries[..., 3, :] = 4 * needle        # query head 3 (KV head 1): the same query, ...
+    keys[1, :, 5, 0] = 4 * needle          # ... but only KV head 0 of block 1 holds the asked token
+    keys[0, :, 2, 1] = 40 * needle         # KV head 1 of block 0: a sink far stronger than any match
+    queries = rotate_keys(queries.reshape(-1, 1, D), torch.zeros(LAYERS * 4 * Q_HEADS, dtype=torch.int64),
+                          ROPE).reshape(LAYERS, 4, Q_HEADS, D)
+    every = rerank(queries, torch.arange(4), [0, 1], torch.tensor([0, BT]), lambda s: keys[s], ROPE, 0, "max")
+    retrieval = rerank(queries, torch.arange(4), [0, 1], torch.tensor([0, BT]), lambda s: keys[s], ROPE, 0, "max",
+                       heads=torch.tensor([layer * Q_HEADS + 1 for layer in range(LAYERS)]))
+    assert every[0] > every[1] and retrieval[1] > retrieval[0]
 
 
 def test_a_blocks_score_does_not_depend_on_where_it_lies_in_the_history():

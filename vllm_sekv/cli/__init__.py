@@ -3,11 +3,12 @@
 `main(argv)` parses `argv` (default: `sys.argv[1:]`) with one argparse
 subcommand per command group, each registered by its module's `add_parser`:
 
-  serve      vLLM's OpenAI-compatible server with the sekv connector  (serve_cmd)
-  config     the configuration keys, defaults and environment names   (config_cmd)
-  model      prepare a bundled model once                             (model_cmd)
-  sessions   inspect and clean an NVMe folder no server uses          (sessions_cmd)
-  calibrate  train the SeKV zoom router offline                       (calibrate_cmd)
+  serve            vLLM's OpenAI-compatible server with the sekv connector  (serve_cmd)
+  config           the configuration keys, defaults and environment names   (config_cmd)
+  model            prepare a bundled model once                             (model_cmd)
+  sessions         inspect and clean an NVMe folder no server uses          (sessions_cmd)
+  calibrate        train the SeKV zoom router offline                       (calibrate_cmd)
+  calibrate-heads  find the heads the re-rank listens to                    (calibrate_heads_cmd)
 
 Every subcommand has its own `--help`. Returns the command's exit status (0 on
 success; each module documents its others). Usage errors (an unknown command,
@@ -21,9 +22,9 @@ import argparse
 import sys
 from typing import Callable
 
-from vllm_sekv.cli import calibrate_cmd, config_cmd, model_cmd, serve_cmd, sessions_cmd
+from vllm_sekv.cli import calibrate_cmd, calibrate_heads_cmd, config_cmd, model_cmd, serve_cmd, sessions_cmd
 
-COMMANDS = (serve_cmd, config_cmd, model_cmd, sessions_cmd, calibrate_cmd)
+COMMANDS = (serve_cmd, config_cmd, model_cmd, sessions_cmd, calibrate_cmd, calibrate_heads_cmd)
 
 
 class CommandParser(argparse.ArgumentParser):

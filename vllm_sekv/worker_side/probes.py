@@ -11,7 +11,8 @@ scheduler side in the step's report, which picks the view's blocks with them.
 
 With `rerank_blocks` set, the probe also keeps its queries layer by layer,
 and at the end the index's best candidates are scored again with their
-actual keys (`worker_side.rerank`), together with the candidates the
+actual keys (`worker_side.rerank`; over the model's retrieval heads only
+with `rerank_heads_path`), together with the candidates the
 scheduler side names (`ScoreOp.rerank_extra`: BM25's best, config
 `lexical_candidates`); the report is then one row, those candidates first,
 in their re-ranked order.
@@ -53,14 +54,19 @@ class ProbeScorer:
 
     def __init__(self, index: BlockIndex, router: Any, geometry: Any, rope: Any, block_tokens: int,
                  index_combine: str, rerank_blocks: int = 0, rerank_distance: int = 0,
-                 read_keys: KeyReader | None = None) -> None:
+                 read_keys: KeyReader | None = None, rerank_heads: list[int] | None = None) -> None:
         if rerank_blocks and (read_keys is None or geometry.world_size > 1):
             raise ValueError("sekv config 'rerank_blocks': the re-rank needs every query head on one "
                              "rank; tensor parallelism is not supported yet")
+        if router is not None and geometry.world_size > 1:
+            raise ValueError("sekv config 'router_path': the zoom router needs every query head "
+                             "on one rank; tensor parallelism is not supported yet")
         self.index = index
         self.rerank_blocks = rerank_blocks
         self.rerank_distance = rerank_distance
         self.read_keys = read_keys
+        # the (layer * query heads + head) indices the re-rank combines (None: all)
+        self.rerank_heads = None if rerank_heads is None else torch.tensor(rerank_heads, device=index.device)
         self.router = router.to(index.device) if router is not None else None  # scores where the index is
         self.geometry = geometry
         self.rope = rope
@@ -183,7 +189,8 @@ class ProbeScorer:
         queries = torch.stack([torch.cat(chunks) for chunks in kept[0]])  # [L, m, Hq, D]
         positions = torch.cat(kept[1])
         mass = rerank(queries, positions, slots[top].tolist(), torch.as_tensor(op.candidate_starts, device=device)[top],
-                      self.read_keys, self.rope, self.rerank_distance, self.index_combine)
+                      self.read_keys, self.rope, self.rerank_distance, self.index_combine,
+                      heads=self.rerank_heads)
         out = combined.clamp_min(0) / (combined.max().clamp_min(1e-30) * 2)
         out[top] = 1.0 + mass
         return out[None].cpu().numpy()

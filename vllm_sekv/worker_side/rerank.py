@@ -12,7 +12,8 @@ stored rotated to their virtual positions, are rotated to positions
 lie; the distance is half the view, where a selected block sits on average.
 Per layer and query head, each query's softmax runs over all the candidates'
 tokens; a block's mass is the sum over its tokens and over the queries, and
-the heads combine as the index's do (`block_summaries.combine_heads`).
+the heads combine as the index's do (`block_summaries.combine_heads`): all
+of them, or only the model's retrieval heads (config `rerank_heads_path`).
 
 Runs in the worker process, on the forward thread, after the probe's last
 layer; candidates are read from the host tier in chunks (`read_keys`) so the
@@ -35,10 +36,12 @@ KeyReader = Callable[[list[int]], torch.Tensor]
 
 def rerank(queries: torch.Tensor, query_positions: torch.Tensor, slots: list[int], starts: torch.Tensor,
            read_keys: KeyReader, rope: RopeSpec, distance: int, combine: str,
-           chunk_blocks: int = 256) -> torch.Tensor:
+           chunk_blocks: int = 256, heads: torch.Tensor | None = None) -> torch.Tensor:
     """queries [L, m, Hq, D] post-RoPE at `query_positions` [m]; candidate
     blocks in host `slots` [M] whose first tokens sit at virtual positions
-    `starts` [M] -> [M] relevance (combined attention mass, >= 0)."""
+    `starts` [M] -> [M] relevance (combined attention mass, >= 0). `heads`:
+    the (layer * Hq + query head) indices whose mass is combined (None:
+    every head; `index.retrieval_heads`)."""
     num_layers, m, q_heads, head_dim = queries.shape
     device = queries.device
     num_blocks = len(slots)
@@ -58,5 +61,5 @@ def rerank(queries: torch.Tensor, query_positions: torch.Tensor, slots: list[int
             qs = q[layer].reshape(m, kv_heads, group, head_dim)
             logits = torch.einsum("mhgd,cthd->mhgct", qs, k)  # [m, Hkv, group, c, T]
             lse[layer, :, :, lo:hi] = logits.logsumexp(-1).reshape(m, q_heads, c)
-    mass = torch.softmax(lse, dim=-1).sum(1)  # [L, Hq, M]: over queries
-    return combine_heads(mass, combine)
+    mass = torch.softmax(lse, dim=-1).sum(1).flatten(0, 1)  # [L * Hq, M]: over queries
+    return combine_heads(mass if heads is None else mass[heads.to(device)], combine)

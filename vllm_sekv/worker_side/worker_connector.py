@@ -68,6 +68,7 @@ from vllm_sekv.store.capture import CaptureWriter
 from vllm_sekv.index.block_index import BlockIndex
 from vllm_sekv.workspace.step_plan import StepPlan
 from vllm_sekv.index.router import load_router
+from vllm_sekv.index.retrieval_heads import load_heads
 
 logger = logging.getLogger("vllm_sekv")
 
@@ -169,11 +170,8 @@ class SekvWorkerSide:
             self.restores.warm_up()
             if cudart.available():
                 head_start.register(head_start.engine_id(self.vllm_config), self)
-        if self.config.router_path:
-            if geo.world_size > 1:
-                raise ValueError("sekv config 'router_path': the zoom router needs every query head "
-                                 "on one rank; tensor parallelism is not supported yet")
-            self.router = load_router(self.config, model_identity.router_geometry(self.vllm_config))
+        fingerprint = model_identity.router_geometry(self.vllm_config)  # what router and heads files record
+        self.router = load_router(self.config, fingerprint)  # None without router_path
         if self.config.coarse == "on":
             self.coarse = CoarseAttention(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype, device, self.rope)
         self.host_restores = HostRestores(self.pool, geo, self.rope, self.config.block_tokens, kv_caches,
@@ -188,7 +186,7 @@ class SekvWorkerSide:
         view_tokens = self.config.view_tokens or compat.native_window_tokens(self.vllm_config)
         self.probes = ProbeScorer(self.index, self.router, geo, self.rope, self.config.block_tokens,
                                   self.config.index_combine, self.config.rerank_blocks, view_tokens // 2,
-                                  self._read_keys)
+                                  self._read_keys, load_heads(self.config, fingerprint))
         if self.config.surprisal == "on":
             model = compat.model_of_caller()
             if model is None:
