@@ -46,7 +46,9 @@ def rerank(queries: torch.Tensor, query_positions: torch.Tensor, slots: list[int
     device = queries.device
     num_blocks = len(slots)
     place = int(query_positions.min()) - distance  # every candidate's first token goes here
-    lse = torch.empty((num_layers, m, q_heads, num_blocks), dtype=torch.float32, device=device)
+    lse = torch.zeros((num_layers, m, q_heads, num_blocks), dtype=torch.float32, device=device)
+    # with retrieval heads, only their layers are scored (the others' rows stay unused)
+    layers = range(num_layers) if heads is None else sorted({int(h) // q_heads for h in heads.tolist()})
     q = queries.float() / math.sqrt(head_dim)
     for lo in range(0, num_blocks, chunk_blocks):
         hi = min(lo + chunk_blocks, num_blocks)
@@ -56,7 +58,7 @@ def rerank(queries: torch.Tensor, query_positions: torch.Tensor, slots: list[int
         shift = (place - starts[lo:hi].to(device)).repeat_interleave(tokens)
         moved = rotate_keys(flat, shift, rope).reshape(c, tokens, num_layers, kv_heads, head_dim)
         group = q_heads // kv_heads
-        for layer in range(num_layers):
+        for layer in layers:
             k = moved[:, :, layer]  # [c, T, Hkv, D]
             qs = q[layer].reshape(m, kv_heads, group, head_dim)
             logits = torch.einsum("mhgd,cthd->mhgct", qs, k)  # [m, Hkv, group, c, T]
