@@ -18,9 +18,9 @@
 #   pytest ARGS     any tests (e.g. tests/gpu/test_cuda_views.py -k resident), beside an evaluation
 #                   (-k matches file names too: "-k cuda" selects every test of test_cuda_*.py)
 #   fidelity ARGS   start benchmarks/fidelity/run.py on Qwen in the background
-#   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT
+#   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT/<its folder's name>
 #                   (FID=/tmp/fidN before `bash`: a second evaluation beside the first,
-#                   started once the first one's servers are up)
+#                   started once the first one's servers are up; its `wait` writes $OUT/fidN)
 #   restore [ARGS]  benchmarks/gpu/restore_e2e.py as in benchmarks/results/gpu_restore/ (`--codecs exact fp8`: both workspaces)
 #                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
@@ -158,10 +158,12 @@ case $step in
   wait)  # follow the evaluation for up to $1 seconds; its results so far to $OUT
     pid=$(cat "$FID/pid")
     for _ in $(seq "${1:-540}"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-    cp "$FID/trials.jsonl" "$FID/trials.meta.json" "$OUT/" 2>/dev/null
-    grep -v "WARNING" "$FID/run.log" | tail -c 2000000 > "$OUT/run.log"
+    dest="$OUT/$(basename "$FID")"  # one folder per evaluation: two waits in one call keep both
+    mkdir -p "$dest"
+    cp "$FID/trials.jsonl" "$FID/trials.meta.json" "$dest/" 2>/dev/null
+    grep -v "WARNING" "$FID/run.log" | tail -c 2000000 > "$dest/run.log"
     for f in "$FID"/servers/*.log; do echo "== $f"; grep -E "ERROR|Error|Traceback|sekv" "$f" | tail -40; done \
-      > "$OUT/servers.log" 2>/dev/null
+      > "$dest/servers.log" 2>/dev/null
     kill -0 "$pid" 2>/dev/null && state=running || state=finished
     log "$state: $(wc -l < "$FID/trials.jsonl" 2>/dev/null) trials"; tail -3 "$FID/run.log" ;;
   restore)  # the restore benchmark's current report (benchmarks/results/gpu_restore/report.md)
