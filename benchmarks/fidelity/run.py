@@ -118,6 +118,13 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-rh-hop2-sel64-rcall-ord": ("views-rerank-rh", {"view_select_blocks": 64, "probe_hops": 2,
                                                                  "recompute_blocks": 100000,
                                                                  "recompute_layout": "in_order"}),
+    # and fewer: the ranking's best 16 / 32 blocks, the rest of the view the latest history
+    "views-rerank-rh-hop2-sel16-rcall-ord": ("views-rerank-rh", {"view_select_blocks": 16, "probe_hops": 2,
+                                                                 "recompute_blocks": 100000,
+                                                                 "recompute_layout": "in_order"}),
+    "views-rerank-rh-hop2-sel32-rcall-ord": ("views-rerank-rh", {"view_select_blocks": 32, "probe_hops": 2,
+                                                                 "recompute_blocks": 100000,
+                                                                 "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,

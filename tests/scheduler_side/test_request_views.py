@@ -1,6 +1,7 @@
 """How a view coordinator builds a request's views with probe hops
 (`probe_hops`: it probes again behind the view its first probe chose, then
-builds the final view from both probes' rankings) and with the neighbours or
+builds the final view from both probes' rankings, limited to
+`view_select_blocks` where set) and with the neighbours or
 passages a request asks for (`view_context_blocks`, `view_passage_blocks`), on
 a real planner and vLLM request (no model: the worker's reports are given)."""
 import numpy as np
@@ -71,6 +72,20 @@ def test_a_second_hop_probes_behind_the_first_hops_view_and_the_view_takes_both_
     # room for 8 chosen blocks: 11, 41, 12, 42, 13 in turn, then the latest of the rest
     chosen = set(final.history_blocks) - {0, 58, 59}
     assert len(chosen) == 8 and {11, 12, 13, 41, 42} < chosen
+
+
+def test_a_selection_limit_is_the_final_views_and_the_hop_probe_reads_the_whole_room():
+    views, prompt = coordinator(probe_hops=2, view_select_blocks=2)
+    first = np.zeros(57)
+    first[[10, 11, 12]] = [3.0, 2.0, 1.0]  # blocks 11, 12, 13
+    second = np.zeros(57)
+    second[[40, 41]] = [3.0, 2.0]  # blocks 41, 42
+    probe, hop, final = step(views, prompt, [first, second])
+    assert {11, 12, 13} < set(hop.history_blocks)  # the whole room, 8 blocks, best first
+    assert len(set(hop.history_blocks) - {0, 58, 59}) == 8
+    # the final view: the 2 best of the hops in turn (11, 41), then the latest history (50..57)
+    assert final.ranked == (11, 41)
+    assert set(final.history_blocks) | set(final.recomputed) == {0, 11, 41, *range(52, 58), 58, 59}
 
 
 def test_a_request_asks_for_its_own_hops():

@@ -236,7 +236,7 @@ class ViewCoordinator:
         if job.current is None:
             if job.probe is not None and len(job.hop_scores) < job.probe_hops:
                 view = hop_probe(job.probe, self._selection_scores(job), job.budget, job.context_blocks,
-                                 self._passages(job), job.passage_blocks, job.select_blocks)
+                                 self._passages(job), job.passage_blocks)
             elif job.probe is not None:
                 view = self._final_pass(job)
             else:

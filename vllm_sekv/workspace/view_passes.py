@@ -38,6 +38,7 @@ Passes, in order:
   there; recomputed KV sees only the view, and sits next to the new tokens.
   A view may take fewer candidates than its room holds (`select_blocks`):
   the latest history fills the rest, as it fills a prompt cut to its end.
+  The limit is the final view's: the probes before it read the whole room.
 
 The sentinel makes a pass end one token short of its sequence, so vLLM treats
 it as an unfinished chunked prefill and never samples from it: nothing of an
@@ -202,11 +203,13 @@ def truncated_pass(num_prompt_tokens: int, matched_blocks: int, budget: ViewBudg
 
 
 def hop_probe(probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
-              passages: Passages | None = None, passage_blocks: int = 0, select_blocks: int = 0) -> ViewPass:
+              passages: Passages | None = None, passage_blocks: int = 0) -> ViewPass:
     """The next probe after `probe`: its new tokens and candidates behind
-    the view `scores` choose (`final_pass`'s blocks, every one restored)."""
-    view = final_pass(probe, scores, budget, context_blocks, passages=passages, passage_blocks=passage_blocks,
-                      select_blocks=select_blocks)
+    the view `scores` choose (`final_pass`'s blocks, every one restored).
+    A probe reads the whole room whatever limit the final view's selection
+    has: nothing is answered from it, and every block it reads is one its
+    new tokens can find the next evidence from."""
+    view = final_pass(probe, scores, budget, context_blocks, passages=passages, passage_blocks=passage_blocks)
     return replace(view, kind=PassKind.PROBE, candidates=probe.candidates, rerank_extra=probe.rerank_extra, ranked=())
 
 
