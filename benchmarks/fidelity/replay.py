@@ -31,7 +31,9 @@ hold are answered without a GPU:
                     each ranked block brings C neighbours on each side, the
                     neighbours counting against `--fill-top`, as a view
                     with `view_select_blocks` and `view_context_blocks`
-                    selects (a line cut by a block boundary comes whole).
+                    selects (a line cut by a block boundary comes whole);
+                    with `--fill-passages P` instead, its paragraph or turn
+                    where that spans at most P blocks (`view_passage_blocks`).
 * `evidence-fill`   the oracle's composition at the views' granularity: the
                     sink, the blocks of the question's evidence
                     (`answer_blocks`), then the latest history blocks up to
@@ -45,7 +47,7 @@ hold are answered without a GPU:
     python benchmarks/fidelity/replay.py --model QWEN_DIR --runs RUN.jsonl [RUN.jsonl ...] \\
         --method views-rerank-rcall-ord:8192 --families vartrack,squad \\
         --variants as-run no-lookalikes [--fill-from views-rerank-rcall-ord:4096] \\
-        [--fill-top 32 [--fill-context 1]] [--length 131072] [--out benchmarks/results/fidelity]
+        [--fill-top 32 [--fill-context 1 | --fill-passages 8]] [--length 131072] [--out benchmarks/results/fidelity]
 
 Each answered view is a line of `replay/trials.jsonl` under `--out` (kept
 across calls; a trial already there is not answered again, and the command
@@ -77,7 +79,7 @@ import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
-from vllm_sekv.workspace.passages import neighbours  # noqa: E402
+from vllm_sekv.workspace.passages import Passages, break_token_ids, neighbours  # noqa: E402
 
 VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus")
 # Planted fact lines, whole or cut short by the end of a block.
@@ -119,14 +121,19 @@ def recency_filled(selected: list[int], smaller: list[int]) -> list[int]:
     return sorted(out)
 
 
-def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int) -> list[int]:
+def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int,
+               passages: Passages | None = None, passage_blocks: int = 0) -> list[int]:
     """The first `top` blocks that a selection with `context` neighbours per
-    block (`view_context_blocks`) takes from `ranked` (best first): each
-    block, then its neighbours, those in `[lo, hi)` (the candidates: after the
-    sink, before the recent window), as `view_passes.final_pass` takes them."""
+    block (`view_context_blocks`), or with `passages` of up to `passage_blocks`
+    blocks (`view_passage_blocks`), takes from `ranked` (best first): each
+    block, then its neighbours or the rest of its passage, those in `[lo, hi)`
+    (the candidates: after the sink, before the recent window), as
+    `view_passes.final_pass` takes them."""
     chosen: dict[int, None] = {}
     for block in ranked:
-        for b in neighbours(block, context):
+        extent = passages.around(block, passage_blocks) if passages is not None and passage_blocks > 0 \
+            else neighbours(block, context)
+        for b in extent:
             if len(chosen) < top and lo <= b < hi:
                 chosen.setdefault(b)
         if len(chosen) >= top:
@@ -159,7 +166,8 @@ def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[st
     return [t for i, t in enumerate(ids) if i not in gone], len(drop)
 
 
-def variant_label(variant: str, fill_top: int | None, fill_from: str | None, extra: int, context: int = 0) -> str:
+def variant_label(variant: str, fill_top: int | None, fill_from: str | None, extra: int, context: int = 0,
+                  passage_blocks: int = 0) -> str:
     """The name a variant's trials are stored and reported under."""
     if variant == "evidence-plus":
         return f"{variant}:{extra}"
@@ -167,7 +175,8 @@ def variant_label(variant: str, fill_top: int | None, fill_from: str | None, ext
         return variant
     if fill_top is None:
         return f"{variant}:{fill_from}"
-    return f"{variant}:top{fill_top}" + (f"+ctx{context}" if context else "")
+    return f"{variant}:top{fill_top}" + (f"+ctx{context}" if context else "") + \
+        (f"+psg{passage_blocks}" if passage_blocks else "")
 
 
 def mcnemar(gained: int, lost: int) -> float:
@@ -259,6 +268,9 @@ def main() -> None:
     ap.add_argument("--fill-top", type=int, default=None, help="recency-fill: this many of the ranked blocks")
     ap.add_argument("--fill-context", type=int, default=0,
                     help="recency-fill with --fill-top: neighbours on each side of each ranked block")
+    ap.add_argument("--fill-passages", type=int, default=0,
+                    help="recency-fill with --fill-top: each ranked block with its passage where that spans "
+                         "at most this many blocks (view_passage_blocks), instead of neighbours")
     ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
     ap.add_argument("--recent-blocks", type=int, default=8, help="the views' recent window (recent_tokens 256)")
     ap.add_argument("--extra", type=int, default=32, help="evidence-plus: this many other selected blocks")
@@ -273,7 +285,8 @@ def main() -> None:
     families = args.families.split(",")
 
     def label(variant: str) -> str:
-        return variant_label(variant, args.fill_top, args.fill_from, args.extra, args.fill_context)
+        return variant_label(variant, args.fill_top, args.fill_from, args.extra, args.fill_context,
+                             args.fill_passages)
     for f in families:
         if "no-lookalikes" in args.variants and f not in PLANTED:
             ap.error(f"--families {f}: no-lookalikes knows the planted facts of {', '.join(PLANTED)} only")
@@ -281,6 +294,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    breaks = break_token_ids(tokenizer) if args.fill_passages else None
     trials = {(Path(path).stem, *key): r for path in args.runs for key, r in read_trials([path]).items()}
     out_dir = Path(args.out)
     store = out_dir / "replay" / "trials.jsonl"
@@ -328,8 +342,11 @@ def main() -> None:
                     if not r.get("ranked_blocks"):
                         continue
                     candidates = (args.sink_blocks, max(selected) + 1 - args.recent_blocks)
+                    passages = Passages(prompt[: (max(selected) + 1) * args.block_tokens], breaks,
+                                        args.block_tokens) if args.fill_passages else None
                     best = [b for b in selected if b < args.sink_blocks] + top_blocks(
-                        r["ranked_blocks"], args.fill_top, args.fill_context, *candidates)
+                        r["ranked_blocks"], args.fill_top, args.fill_context, *candidates, passages,
+                        args.fill_passages)
                 else:
                     smaller = trials.get((run, family, length, seed, q, args.fill_from))
                     if smaller is None or not smaller.get("selected_blocks"):

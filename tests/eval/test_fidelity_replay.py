@@ -113,6 +113,31 @@ def test_the_best_blocks_are_those_a_limited_selection_takes(replay, top, contex
     assert replay.top_blocks(list(full.ranked), top, context, lo, hi) == list(limited.ranked)
 
 
+@pytest.mark.parametrize("top", [4, 9])
+def test_the_best_blocks_with_passages_are_those_a_limited_selection_takes(replay, top):
+    """`top_blocks` with passages gives the blocks that a view with
+    `view_select_blocks` and `view_passage_blocks` selects."""
+    import numpy as np
+    from vllm_sekv.workspace.passages import BreakTokens, Passages
+    from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
+
+    budget = ViewBudget(block_tokens=8, view_tokens=160, sink_tokens=8, recent_tokens=16)
+    history = [5] * (40 * 8)
+    for end in (30, 70, 150, 160, 250, 290):  # passages of 1 to 12 blocks
+        history[end] = 999
+    breaks = BreakTokens(whole=np.array([999]), closes=np.array([], dtype=np.int64),
+                         opens=np.array([], dtype=np.int64))
+    passages = Passages(history, breaks, 8)
+    probe = first_pass(len(history) + 3, matched_blocks=40, budget=budget)
+    scores = [float((7 * i) % 11) for i in range(len(probe.candidates))]
+    full = final_pass(probe, scores, budget)
+    limited = final_pass(probe, scores, budget, passages=passages, passage_blocks=6, select_blocks=top)
+    lo, hi = probe.candidates[0], probe.candidates[-1] + 1
+    picked = replay.top_blocks(list(full.ranked), top, 0, lo, hi, passages, 6)
+    assert picked == list(limited.ranked) and len(picked) == top
+    assert picked != replay.top_blocks(list(full.ranked), top, 0, lo, hi)  # the passages changed the pick
+
+
 def test_the_evidence_rank_is_how_far_down_the_ranking_its_last_block_sits(replay):
     assert replay.evidence_rank({"ranked_blocks": [9, 4, 7, 2], "answer_blocks": [7, 9]}) == 3
     assert replay.evidence_rank({"ranked_blocks": [9, 4], "answer_blocks": [7, 9]}) is None  # not all ranked
