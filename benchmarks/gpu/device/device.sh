@@ -155,7 +155,7 @@ case $step in
       --out "$FID/trials.jsonl" --log-dir "$FID/servers" "$@" > "$FID/run.log" 2>&1 < /dev/null &
     echo $! > "$FID/pid"
     log "evaluation started" ;;
-  wait)  # follow the evaluation for up to $1 seconds; its results so far to $OUT
+  wait)  # follow the evaluation for up to $1 seconds; its results so far to $OUT/<its folder name>
     pid=$(cat "$FID/pid")
     for _ in $(seq "${1:-540}"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
     dest="$OUT/$(basename "$FID")"  # one folder per evaluation: two waits in one call keep both
