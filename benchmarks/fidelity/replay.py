@@ -79,7 +79,7 @@ import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
-from vllm_sekv.workspace.passages import Passages, break_token_ids, neighbours  # noqa: E402
+from vllm_sekv.workspace.passages import Passages, break_token_ids, extent  # noqa: E402
 
 VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus")
 # Planted fact lines, whole or cut short by the end of a block.
@@ -131,9 +131,7 @@ def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int,
     `view_passes.final_pass` takes them."""
     chosen: dict[int, None] = {}
     for block in ranked:
-        extent = passages.around(block, passage_blocks) if passages is not None and passage_blocks > 0 \
-            else neighbours(block, context)
-        for b in extent:
+        for b in extent(block, context, passages, passage_blocks):
             if len(chosen) < top and lo <= b < hi:
                 chosen.setdefault(b)
         if len(chosen) >= top:

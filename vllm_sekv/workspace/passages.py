@@ -127,3 +127,13 @@ def neighbours(block: int, context_blocks: int) -> Iterable[int]:
     """`block`, then `context_blocks` blocks before it and as many after it
     (`view_context_blocks`; the caller drops any outside the candidates)."""
     return (block, *range(block - context_blocks, block), *range(block + 1, block + context_blocks + 1))
+
+
+def extent(block: int, context_blocks: int, passages: Passages | None = None,
+           passage_blocks: int = 0) -> Iterable[int]:
+    """What a selected `block` brings into a view, itself first: its passage
+    (`Passages.around`) where `passages` and `passage_blocks` are given, else
+    its `neighbours`."""
+    if passages is not None and passage_blocks > 0:
+        return passages.around(block, passage_blocks)
+    return neighbours(block, context_blocks)

@@ -54,7 +54,7 @@ from typing import Sequence
 
 import numpy as np
 
-from vllm_sekv.workspace.passages import Passages, neighbours
+from vllm_sekv.workspace.passages import Passages, extent
 
 
 class PassKind(enum.Enum):
@@ -288,9 +288,7 @@ def final_pass(
     chosen: dict[int, None] = {}  # in the order chosen
     for i in ranked:
         block = probe.candidates[i]
-        extent = passages.around(block, passage_blocks) if passages is not None and passage_blocks > 0 \
-            else neighbours(block, context_blocks)
-        for b in extent:
+        for b in extent(block, context_blocks, passages, passage_blocks):
             if len(chosen) < limit and b in candidates:
                 chosen.setdefault(b)
         if len(chosen) >= limit:
