@@ -77,3 +77,11 @@ def test_a_requests_selection_limit():
     for bad in (-1, "32", True, 1.5):
         with pytest.raises(RequestParamError, match="^kv_transfer_params.view_select_blocks: expected a non-neg"):
             parse({"view_select_blocks": bad})
+
+
+def test_a_requests_cut_lines():
+    assert parse({"view_cut_lines": True}) == RequestParams(view_cut_lines=True)
+    assert parse({}, {"view_cut_lines": False}).view_cut_lines is False
+    for bad in ("on", 1, 0.0):
+        with pytest.raises(RequestParamError, match="^kv_transfer_params.view_cut_lines: expected true or false"):
+            parse({"view_cut_lines": bad})

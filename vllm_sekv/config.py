@@ -201,6 +201,13 @@ class SekvConfig:
     # to its end: a view of a few best blocks inside a long stretch of
     # continuous history rather than of many fragments.
     view_select_blocks: int = 0
+    # "on": each selected block also brings the neighbour holding the rest of
+    # a line that one of its boundaries cuts, where the line spans just the
+    # two blocks (`Passages.cut`: a chain's `VAR X = VAR Y` split after
+    # `VAR X`, of which only one half ranks). Not counted against
+    # `view_select_blocks`; loads the tokenizer at start-up to find the
+    # line breaks.
+    view_cut_lines: str = "off"
     # Token-level re-rank of a probe's best candidates (0 = off): the index's
     # `rerank_blocks` highest-scoring blocks are scored again by the probe
     # queries' attention over their actual keys (from the host tier, each
@@ -298,7 +305,7 @@ class SekvConfig:
                 "remote_url", "remote_prefix")
     _FLOATS = ("anchor_alpha", "lexical_weight")
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
-                "surprisal": ON_OFF, "coarse": ON_OFF, "nvme_sync": ON_OFF,
+                "surprisal": ON_OFF, "coarse": ON_OFF, "view_cut_lines": ON_OFF, "nvme_sync": ON_OFF,
                 "recompute_layout": RECOMPUTE_LAYOUTS, "workspace_codec": WORKSPACE_CODECS}
 
     def __post_init__(self) -> None:

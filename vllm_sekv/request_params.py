@@ -4,8 +4,10 @@ Clients name a session and may ask for their own view budget, turn SeKV
 coarse attention off, or choose how many selected blocks a view recomputes
 (`recompute_blocks`, `recompute_layout`), how many probes select them
 (`probe_hops`) and how many neighbours each brings (`view_context_blocks`)
-or whether its passage (`view_passage_blocks`), and at most how many blocks
-a view selects (`view_select_blocks`) for one request (the config keys of
+or whether its passage (`view_passage_blocks`), at most how many blocks
+a view selects (`view_select_blocks`) and whether they complete the lines
+their boundaries cut (`view_cut_lines`: true or false, where the config key
+says on or off) for one request (the config keys of
 the same names), in `kv_transfer_params` (or `vllm_xargs`, vLLM's
 `extra_args`), and on vLLM 0.32 in its own `session_id` field:
 
@@ -28,7 +30,7 @@ from typing import Any, Mapping
 from vllm_sekv.config import MAX_PROBE_HOPS, MAX_VIEW_PASSAGE_BLOCKS, RECOMPUTE_LAYOUTS, SekvConfig
 
 KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops",
-        "view_context_blocks", "view_passage_blocks", "view_select_blocks")
+        "view_context_blocks", "view_passage_blocks", "view_select_blocks", "view_cut_lines")
 MAX_SESSION_ID_CHARS = 256
 MAX_VIEW_CONTEXT_BLOCKS = 16
 
@@ -74,6 +76,7 @@ class RequestParams:
     view_context_blocks: int | None = None  # None: the server's setting
     view_passage_blocks: int | None = None  # None: the server's setting
     view_select_blocks: int | None = None  # None: the server's setting; 0: no limit
+    view_cut_lines: bool | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -121,6 +124,9 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     select_field, select = given("view_select_blocks")
     if select is not None and (isinstance(select, bool) or not isinstance(select, int) or select < 0):
         raise RequestParamError(f"{select_field}: expected a non-negative integer (0: no limit), got {select!r:.80}")
+    lines_field, lines = given("view_cut_lines")
+    if lines is not None and not isinstance(lines, bool):
+        raise RequestParamError(f"{lines_field}: expected true or false, got {lines!r:.80}")
     layout_field, layout = given("recompute_layout")
     if layout is not None and layout not in RECOMPUTE_LAYOUTS:
         raise RequestParamError(f"{layout_field}: expected one of {', '.join(RECOMPUTE_LAYOUTS)}, got {layout!r:.80}")
@@ -137,7 +143,7 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     if context and passage:
         raise RequestParamError(f"{given('view_passage_blocks')[0]}: a selected block brings either its "
                                 f"passage or view_context_blocks neighbours; send one of them")
-    return RequestParams(sid, view, coarse, recompute, layout, hops, context, passage, select)
+    return RequestParams(sid, view, coarse, recompute, layout, hops, context, passage, select, lines)
 
 
 def of_request(request: Any) -> "RequestParams":

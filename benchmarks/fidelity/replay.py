@@ -33,7 +33,9 @@ hold are answered without a GPU:
                     with `view_select_blocks` and `view_context_blocks`
                     selects (a line cut by a block boundary comes whole);
                     with `--fill-passages P` instead, its paragraph or turn
-                    where that spans at most P blocks (`view_passage_blocks`).
+                    where that spans at most P blocks (`view_passage_blocks`);
+                    with `--fill-lines`, also the rest of a short line its
+                    boundaries cut, not counted (`view_cut_lines`).
 * `evidence-fill`   the oracle's composition at the views' granularity: the
                     sink, the blocks of the question's evidence
                     (`answer_blocks`), then the latest history blocks up to
@@ -47,7 +49,7 @@ hold are answered without a GPU:
     python benchmarks/fidelity/replay.py --model QWEN_DIR --runs RUN.jsonl [RUN.jsonl ...] \\
         --method views-rerank-rcall-ord:8192 --families vartrack,squad \\
         --variants as-run no-lookalikes [--fill-from views-rerank-rcall-ord:4096] \\
-        [--fill-top 32 [--fill-context 1 | --fill-passages 8]] [--length 131072] [--out benchmarks/results/fidelity]
+        [--fill-top 32 [--fill-context 1 | --fill-passages 8] [--fill-lines]] [--length 131072] [--out benchmarks/results/fidelity]
 
 Each answered view is a line of `replay/trials.jsonl` under `--out` (kept
 across calls; a trial already there is not answered again, and the command
@@ -79,7 +81,8 @@ import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
-from vllm_sekv.workspace.passages import Passages, break_token_ids, extent  # noqa: E402
+from vllm_sekv.workspace.passages import Passages, break_token_ids  # noqa: E402
+from vllm_sekv.workspace.view_passes import choose_blocks  # noqa: E402
 
 VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus")
 # Planted fact lines, whole or cut short by the end of a block.
@@ -122,21 +125,16 @@ def recency_filled(selected: list[int], smaller: list[int]) -> list[int]:
 
 
 def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int,
-               passages: Passages | None = None, passage_blocks: int = 0) -> list[int]:
+               passages: Passages | None = None, passage_blocks: int = 0,
+               lines: Passages | None = None) -> list[int]:
     """The first `top` blocks that a selection with `context` neighbours per
     block (`view_context_blocks`), or with `passages` of up to `passage_blocks`
-    blocks (`view_passage_blocks`), takes from `ranked` (best first): each
-    block, then its neighbours or the rest of its passage, those in `[lo, hi)`
-    (the candidates: after the sink, before the recent window), as
-    `view_passes.final_pass` takes them."""
-    chosen: dict[int, None] = {}
-    for block in ranked:
-        for b in extent(block, context, passages, passage_blocks):
-            if len(chosen) < top and lo <= b < hi:
-                chosen.setdefault(b)
-        if len(chosen) >= top:
-            break
-    return list(chosen)
+    blocks (`view_passage_blocks`), takes from `ranked` (best first), with
+    `lines` the rest of the lines their boundaries cut too (`view_cut_lines`,
+    not counted against `top`), those in `[lo, hi)` (the candidates: after
+    the sink, before the recent window): `view_passes.choose_blocks`, as a
+    view with `view_select_blocks` `top` takes them."""
+    return choose_blocks(ranked, range(lo, hi), top, hi - lo, context, passages, passage_blocks, lines)
 
 
 def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: int, seed: str) -> list[int]:
@@ -165,7 +163,7 @@ def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[st
 
 
 def variant_label(variant: str, fill_top: int | None, fill_from: str | None, extra: int, context: int = 0,
-                  passage_blocks: int = 0) -> str:
+                  passage_blocks: int = 0, cut_lines: bool = False) -> str:
     """The name a variant's trials are stored and reported under."""
     if variant == "evidence-plus":
         return f"{variant}:{extra}"
@@ -174,7 +172,7 @@ def variant_label(variant: str, fill_top: int | None, fill_from: str | None, ext
     if fill_top is None:
         return f"{variant}:{fill_from}"
     return f"{variant}:top{fill_top}" + (f"+ctx{context}" if context else "") + \
-        (f"+psg{passage_blocks}" if passage_blocks else "")
+        (f"+psg{passage_blocks}" if passage_blocks else "") + ("+lines" if cut_lines else "")
 
 
 def mcnemar(gained: int, lost: int) -> float:
@@ -269,6 +267,9 @@ def main() -> None:
     ap.add_argument("--fill-passages", type=int, default=0,
                     help="recency-fill with --fill-top: each ranked block with its passage where that spans "
                          "at most this many blocks (view_passage_blocks), instead of neighbours")
+    ap.add_argument("--fill-lines", action="store_true",
+                    help="recency-fill with --fill-top: each ranked block with the rest of the lines its "
+                         "boundaries cut (view_cut_lines), not counted against --fill-top")
     ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
     ap.add_argument("--recent-blocks", type=int, default=8, help="the views' recent window (recent_tokens 256)")
     ap.add_argument("--extra", type=int, default=32, help="evidence-plus: this many other selected blocks")
@@ -284,7 +285,7 @@ def main() -> None:
 
     def label(variant: str) -> str:
         return variant_label(variant, args.fill_top, args.fill_from, args.extra, args.fill_context,
-                             args.fill_passages)
+                             args.fill_passages, args.fill_lines)
     for f in families:
         if "no-lookalikes" in args.variants and f not in PLANTED:
             ap.error(f"--families {f}: no-lookalikes knows the planted facts of {', '.join(PLANTED)} only")
@@ -292,7 +293,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    breaks = break_token_ids(tokenizer) if args.fill_passages else None
+    breaks = break_token_ids(tokenizer) if args.fill_passages or args.fill_lines else None
     trials = {(Path(path).stem, *key): r for path in args.runs for key, r in read_trials([path]).items()}
     out_dir = Path(args.out)
     store = out_dir / "replay" / "trials.jsonl"
@@ -340,11 +341,12 @@ def main() -> None:
                     if not r.get("ranked_blocks"):
                         continue
                     candidates = (args.sink_blocks, max(selected) + 1 - args.recent_blocks)
-                    passages = Passages(prompt[: (max(selected) + 1) * args.block_tokens], breaks,
-                                        args.block_tokens) if args.fill_passages else None
+                    history = prompt[: (max(selected) + 1) * args.block_tokens]
+                    passages = Passages(history, breaks, args.block_tokens) if args.fill_passages else None
+                    lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None
                     best = [b for b in selected if b < args.sink_blocks] + top_blocks(
                         r["ranked_blocks"], args.fill_top, args.fill_context, *candidates, passages,
-                        args.fill_passages)
+                        args.fill_passages, lines)
                 else:
                     smaller = trials.get((run, family, length, seed, q, args.fill_from))
                     if smaller is None or not smaller.get("selected_blocks"):

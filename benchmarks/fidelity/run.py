@@ -125,6 +125,16 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-rh-hop2-sel32-rcall-ord": ("views-rerank-rh", {"view_select_blocks": 32, "probe_hops": 2,
                                                                  "recompute_blocks": 100000,
                                                                  "recompute_layout": "in_order"}),
+    # the best 16 with the rest of the lines their boundaries cut (`view_cut_lines`), or with their
+    # passages where those span at most 8 blocks (counted against the 16)
+    "views-rerank-rh-hop2-sel16-lines-rcall-ord": ("views-rerank-rh", {"view_select_blocks": 16, "probe_hops": 2,
+                                                                       "view_cut_lines": True,
+                                                                       "recompute_blocks": 100000,
+                                                                       "recompute_layout": "in_order"}),
+    "views-rerank-rh-hop2-sel16-psg8-rcall-ord": ("views-rerank-rh", {"view_select_blocks": 16, "probe_hops": 2,
+                                                                      "view_passage_blocks": 8,
+                                                                      "recompute_blocks": 100000,
+                                                                      "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,

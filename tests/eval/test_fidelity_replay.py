@@ -136,6 +136,10 @@ def test_the_best_blocks_with_passages_are_those_a_limited_selection_takes(repla
     picked = replay.top_blocks(list(full.ranked), top, 0, lo, hi, passages, 6)
     assert picked == list(limited.ranked) and len(picked) == top
     assert picked != replay.top_blocks(list(full.ranked), top, 0, lo, hi)  # the passages changed the pick
+    lines = Passages(history, breaks.lines(), 8)  # the same breaks as lines: 30..70 is not short, 150..160 is
+    with_lines = final_pass(probe, scores, budget, select_blocks=top, lines=lines)
+    picked = replay.top_blocks(list(full.ranked), top, 0, lo, hi, lines=lines)
+    assert picked == list(with_lines.ranked) and len(picked) >= top
 
 
 def test_the_evidence_rank_is_how_far_down_the_ranking_its_last_block_sits(replay):

@@ -2,7 +2,8 @@
 (`probe_hops`: it probes again behind the view its first probe chose, then
 builds the final view from both probes' rankings, limited to
 `view_select_blocks` where set) and with the neighbours or
-passages a request asks for (`view_context_blocks`, `view_passage_blocks`), on
+passages a request asks for (`view_context_blocks`, `view_passage_blocks`) and the
+lines their boundaries cut (`view_cut_lines`), on
 a real planner and vLLM request (no model: the worker's reports are given)."""
 import numpy as np
 import pytest
@@ -164,4 +165,40 @@ def test_a_tokenizer_that_cannot_load_leaves_views_without_passages(caplog):
     scores[[10, 30]] = [2.0, 1.0]
     final = step(views, prompt, [scores], view_passage_blocks=8)[-1]
     assert {11, 31} <= set(final.history_blocks) and 9 not in final.history_blocks
-    assert "no passage breaks (no tokenizer files)" in caplog.text
+    assert "no passage or line breaks (no tokenizer files)" in caplog.text
+
+
+# Lines end at tokens 1001 and 1093 (history positions 1, 93, 98, 190, 195, ...): the line of
+# tokens 191..195 crosses the boundary of blocks 11 (176..191) and 12 (192..207).
+LINES = BreakTokens(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                    newlines=np.array([1001, 1093]))
+
+
+def test_a_request_asks_for_the_lines_its_selected_blocks_cut():
+    loads = []
+    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or LINES)
+    assert loads == []  # found at the first request that asks
+    scores = np.zeros(57)
+    scores[[11, 30]] = [2.0, 1.0]  # blocks 12 and 31 best
+    final = step(views, prompt, [scores], view_select_blocks=2, view_cut_lines=True)[-1]
+    # block 12's first line starts in block 11: it comes along, not counted against the limit of 2
+    assert final.ranked == (12, 11, 31)
+    assert set(final.history_blocks) == {0, 11, 12, 31, *range(53, 58), 58, 59}
+    views.jobs.clear()
+    assert step(views, prompt, [scores], view_select_blocks=2)[-1].ranked == (12, 31)  # the server's: off
+    assert loads == [1]
+
+
+def test_a_servers_cut_lines_load_the_breaks_at_start_up_and_a_request_may_turn_them_off():
+    loads = []
+    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or LINES, view_cut_lines="on")
+    assert loads == [1]
+    scores = np.zeros(57)
+    scores[[11, 30]] = [2.0, 1.0]
+    assert step(views, prompt, [scores], view_select_blocks=2)[-1].ranked == (12, 11, 31)
+    views.jobs.clear()
+    assert step(views, prompt, [scores], view_select_blocks=2, view_cut_lines=False)[-1].ranked == (12, 31)
+    with pytest.raises(ValueError, match="'view_cut_lines'"):
+        coordinator(view_cut_lines="on")  # no tokenizer to find breaks with
+    with pytest.raises(ValueError, match="'view_cut_lines'"):
+        SekvConfig.from_sources({"view_cut_lines": "yes"})

@@ -59,6 +59,8 @@ class ViewJob:
     passage_blocks: int = 0  # most blocks of its passage each selected block brings (likewise)
     select_blocks: int = 0  # most blocks a view selects, 0: its room (likewise)
     passages: Passages | None = None  # the history's passages, found at the first probe that needs them
+    cut_lines: bool = False  # complete the lines the selected blocks' boundaries cut (likewise)
+    lines: Passages | None = None  # the history's lines, found at the final view where it needs them
     # The zoom router's rank for each of probe.candidates (restore_codec
     # "router"; <= 0: exact); None without a router's report.
     ranks: np.ndarray | None = None
@@ -98,10 +100,10 @@ class ViewCoordinator:
         self, config: SekvConfig, planner: WorkspacePlanner, tenant_of: Callable[[str], str], window_tokens: int,
         capacity_tokens: int, break_tokens: Callable[[], BreakTokens] | None = None,
     ) -> None:
-        """`break_tokens`: returns the tokenizer's passage break ids
+        """`break_tokens`: returns the tokenizer's passage and line break ids
         (`passages.break_token_ids`); called once, at start-up when the server
-        sets `view_passage_blocks`, else at the first request that asks for
-        passages. None: no request may."""
+        sets `view_passage_blocks` or `view_cut_lines`, else at the first
+        request that asks for passages or lines. None: no request may."""
         self.config = config
         self.planner = planner
         self.tenant_of = tenant_of  # a client's cache salt -> its tenant key
@@ -122,10 +124,12 @@ class ViewCoordinator:
         self.codec_rank = 0 if codec in ("exact", ROUTER_CODEC) else parse_codec(codec).rank
         self._break_tokens = break_tokens
         self._breaks: BreakTokens | None = None
-        if config.view_passage_blocks:
-            if break_tokens is None:
-                raise ValueError("sekv config 'view_passage_blocks': this server has no tokenizer to find "
-                                 "passage breaks with")
+        for key, value in (("view_passage_blocks", config.view_passage_blocks),
+                           ("view_cut_lines", config.view_cut_lines == "on")):
+            if value and break_tokens is None:
+                raise ValueError(f"sekv config '{key}': this server has no tokenizer to find passage and "
+                                 f"line breaks with")
+        if config.view_passage_blocks or config.view_cut_lines == "on":
             self._breaks = self._find_breaks()
 
     def _find_breaks(self) -> BreakTokens:
@@ -142,8 +146,8 @@ class ViewCoordinator:
             try:
                 self._breaks = self._find_breaks()
             except Exception as e:  # noqa: BLE001 - a request must not stop the engine
-                logger.warning("sekv: no passage breaks (%s); views take selected blocks without their "
-                               "passages", e)
+                logger.warning("sekv: no passage or line breaks (%s); views take selected blocks without "
+                               "their passages or cut lines", e)
                 self._break_tokens = None
         return self._breaks
 
@@ -186,6 +190,8 @@ class ViewCoordinator:
         job.context_blocks, job.passage_blocks = self._extents(params)
         job.select_blocks = self.config.view_select_blocks if params.view_select_blocks is None \
             else params.view_select_blocks
+        job.cut_lines = self.config.view_cut_lines == "on" if params.view_cut_lines is None \
+            else params.view_cut_lines
         if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
             logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
                            "restores them", job.req_id)
@@ -222,6 +228,18 @@ class ViewCoordinator:
                 return None
             job.passages = Passages(job.prompt[: job.probe.tail_start], breaks, job.budget.block_tokens)
         return job.passages
+
+    def _lines(self, job: ViewJob) -> Passages | None:
+        """The job's history lines, where it asks for them (found once per job)."""
+        if not job.cut_lines:
+            return None
+        if job.lines is None:
+            breaks = self._passage_breaks()
+            if breaks is None:
+                job.cut_lines = False
+                return None
+            job.lines = Passages(job.prompt[: job.probe.tail_start], breaks.lines(), job.budget.block_tokens)
+        return job.lines
 
     def _pass_salt(self, job: ViewJob) -> str:
         n = sum(job.num_passes.values())
@@ -281,7 +299,8 @@ class ViewCoordinator:
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
         view = final_pass(job.probe, self._selection_scores(job), budget, job.context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
-                          job.recompute_in_order, self._passages(job), job.passage_blocks, job.select_blocks)
+                          job.recompute_in_order, self._passages(job), job.passage_blocks, job.select_blocks,
+                          self._lines(job))
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)

@@ -20,6 +20,13 @@ Definitions (the contract of this module):
   block that holds one of its tokens, so the blocks at its two ends are
   shared with its neighbours, and a passage comes with its first and last
   tokens.
+* With the *line* breaks instead (`BreakTokens.lines`: every token whose
+  text holds a newline, and the special tokens), passages are **lines**.
+  `Passages.cut(block)` is what a block boundary cut off a short line at
+  either end of `block`: the neighbour holding the rest of the line through
+  the block's first token (its last token), when that line spans just the
+  two blocks (`view_cut_lines`: a chain's line `VAR X = VAR Y` split after
+  `VAR X`, where only one half ranks).
 * `Passages.around(block, most)` is the block, then the other blocks of its
   home passage's span nearest first (the earlier one first at equal
   distance), when the span has at most `most` blocks; else the block alone.
@@ -32,7 +39,7 @@ Pure numpy, no vLLM, blocking; inputs are never modified.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -50,6 +57,12 @@ class BreakTokens:
     whole: np.ndarray
     closes: np.ndarray
     opens: np.ndarray
+    newlines: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # text holding a newline
+
+    def lines(self) -> "BreakTokens":
+        """The breaks that end lines: a token holding a newline, a special token."""
+        none = np.zeros(0, dtype=np.int64)
+        return BreakTokens(np.union1d(self.whole, self.newlines), none, none)
 
     def positions(self, tokens: np.ndarray) -> np.ndarray:
         """Indices of `tokens` (int64 ids) that end a passage, ascending: the
@@ -75,7 +88,8 @@ def break_token_ids(tokenizer) -> BreakTokens:
 
     whole = ids(lambda text: PARAGRAPH_BREAK in text)
     whole = np.union1d(whole, np.asarray(sorted(i for i in special if 0 <= i < size), dtype=np.int64))
-    return BreakTokens(whole, ids(lambda text: text.endswith("\n")), ids(lambda text: text.startswith("\n")))
+    return BreakTokens(whole, ids(lambda text: text.endswith("\n")), ids(lambda text: text.startswith("\n")),
+                       ids(lambda text: "\n" in text))
 
 
 class Passages:
@@ -96,8 +110,9 @@ class Passages:
         keep = first_token <= last_token  # a break at the very end opens no passage
         self._first = first_token[keep] // block_tokens
         self._last = last_token[keep] // block_tokens
+        self._last_token = last_token[keep]
         middle = np.arange(self.num_blocks, dtype=np.int64) * block_tokens + block_tokens // 2
-        self._home = np.searchsorted(last_token[keep], middle, side="left")
+        self._home = np.searchsorted(self._last_token, middle, side="left")
 
     @property
     def num_passages(self) -> int:
@@ -107,6 +122,22 @@ class Passages:
         """`(first, last)` block (inclusive) of `block`'s home passage."""
         k = self._home[block]
         return int(self._first[k]), int(self._last[k])
+
+    def cut(self, block: int) -> list[int]:
+        """The neighbours of `block` holding the rest of a passage cut at its
+        boundaries: `block - 1` where the passage through the block's first
+        token starts there, `block + 1` where the one through its last token
+        ends there (a passage spanning more blocks is not completed)."""
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is outside the history's {self.num_blocks} blocks")
+        bt = self.block_tokens
+        first, last = np.searchsorted(self._last_token, [block * bt, block * bt + bt - 1], side="left")
+        out = []
+        if self._first[first] == block - 1 and self._last[first] == block:
+            out.append(block - 1)
+        if self._last[last] == block + 1 and self._first[last] == block:
+            out.append(block + 1)
+        return out
 
     def around(self, block: int, most: int) -> list[int]:
         """`block`, then its home passage's other blocks nearest first (the

@@ -50,7 +50,7 @@ import enum
 import itertools
 import operator
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Container, Iterable, Sequence
 
 import numpy as np
 
@@ -232,11 +232,37 @@ def interleave_hops(hops: Sequence[np.ndarray]) -> np.ndarray:
     return -place
 
 
+def choose_blocks(
+    ranked: Iterable[int], candidates: Container[int], limit: int, room: int, context_blocks: int = 0,
+    passages: Passages | None = None, passage_blocks: int = 0, lines: Passages | None = None,
+) -> list[int]:
+    """The blocks a view's selection takes from `ranked` (best first), in
+    the order taken: each block with what it brings (`passages.extent`: its
+    neighbours or its passage), those among `candidates`, until `limit` are
+    taken; with `lines`, each taken block's cut lines (`Passages.cut`) too,
+    not counted against `limit`. Never more than `room` in all."""
+    chosen: dict[int, None] = {}
+    counted = 0
+    for block in ranked:
+        for b in extent(block, context_blocks, passages, passage_blocks):
+            if counted < limit and len(chosen) < room and b in candidates and b not in chosen:
+                chosen[b] = None
+                counted += 1
+        if lines is not None and block in chosen:
+            for b in lines.cut(block):
+                if len(chosen) < room and b in candidates:
+                    chosen.setdefault(b)
+        if counted >= limit or len(chosen) >= room:
+            break
+    return list(chosen)
+
+
 def final_pass(
     probe: ViewPass, scores: Sequence[float], budget: ViewBudget, context_blocks: int = 0,
     anchors: Sequence[int] = (), anchor_tokens: int = 0, reserved_tokens: int = 0,
     recompute_blocks: int = 0, recompute_in_order: bool = False,
     passages: Passages | None = None, passage_blocks: int = 0, select_blocks: int = 0,
+    lines: Passages | None = None,
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
@@ -253,6 +279,11 @@ def final_pass(
     neighbours or passage count); the room it leaves holds the latest history
     before the recent window, as a prompt cut to its end would. 0: the
     selection fills the room.
+
+    `lines`: the history's lines (`Passages` over `BreakTokens.lines`); each
+    chosen block also brings the neighbours holding the rest of a short line
+    its boundaries cut (`Passages.cut`), as far as the room goes. They do not
+    count against `select_blocks`: they complete what was selected.
 
     `anchors`: virtual positions of history anchor tokens, most important
     first. Those outside the view's blocks, at most `anchor_tokens` of them,
@@ -285,14 +316,8 @@ def final_pass(
     order = np.arange(len(scores))
     ranked = np.lexsort((-order, -np.asarray(scores, dtype=np.float64))).tolist()  # best first, ties: later
     limit = min(room, select_blocks) if select_blocks > 0 else room
-    chosen: dict[int, None] = {}  # in the order chosen
-    for i in ranked:
-        block = probe.candidates[i]
-        for b in extent(block, context_blocks, passages, passage_blocks):
-            if len(chosen) < limit and b in candidates:
-                chosen.setdefault(b)
-        if len(chosen) >= limit:
-            break
+    chosen = dict.fromkeys(choose_blocks((probe.candidates[i] for i in ranked), candidates, limit, room,
+                                         context_blocks, passages, passage_blocks, lines))  # in the order chosen
     # What the selection leaves of the room (`select_blocks`): the latest candidates it did not take.
     latest = list(itertools.islice((b for b in reversed(probe.candidates) if b not in chosen),
                                    max(0, room - len(chosen))))
