@@ -81,3 +81,34 @@ def test_the_scheduler_caps_a_pass_through_vllms_own_prefill_hook():
     # sekv scheduler reaches its view cap through it.
     assert hasattr(Scheduler, "_reserve_prefill_lookahead")
     assert "_reserve_prefill_lookahead" in vars(SekvScheduler.__mro__[1])
+
+
+def test_a_sekv_servers_kv_cache_must_hold_the_window_not_max_model_len(model_dir):
+    """vLLM checks that its KV cache holds one request of `max_model_len`
+    tokens; a sekv server's requests hold at most the model's window (8192 for
+    SmolLM2), so its `max_model_len` may exceed the cache (a long session)."""
+    import pytest
+    import torch
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_sekv import compat
+
+    plugin.register()
+    assert core.get_kv_cache_configs is kv_cache_utils.get_kv_cache_configs  # the engine core's name too
+
+    def configs(**kwargs):
+        config = _engine_config(model_dir, **kwargs)
+        config.model_config.max_model_len = 65536
+        config.cache_config.kv_cache_layout = "LBHNC"  # the engine core resolves it before sizing the cache
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
+        specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(30)}
+        memory = 12000 * spec.page_size_bytes * 30 // 16  # 12000 tokens: above the window, below 65536
+        return config, core.get_kv_cache_configs(config, [specs], [memory])
+
+    config, (sized,) = configs(kv_transfer_config=SEKV_FLAG)
+    assert compat.native_window_tokens(config) == 8192 and config.model_config.max_model_len == 65536
+    assert 8192 <= sized.num_blocks * 16 < 65536
+    with pytest.raises(ValueError, match="max seq len"):  # a plain server is refused, as vLLM refuses it
+        configs()

@@ -2,15 +2,18 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core,
 workers), possibly more than once per process. It must be idempotent and cheap:
-it only records names; nothing heavy is imported until vLLM asks for the
-connector class or the attention backend.
+it records names and wraps a few of vLLM's functions (`compat.patches`); none
+of sekv's own heavy modules is imported until vLLM asks for the connector
+class or the attention backend.
 
 What it switches on: the `sekv` KV connector (used when the user passes
 `--kv-transfer-config '{"kv_connector":"sekv",...}'`), the attention hook
 (a wrapper around the platform's attention backend that captures K/V and
 shows queries to the connector; it does nothing unless the sekv connector is
-active), with the same flag, the sekv scheduler (execution views), and the
-check of every request's sekv parameters (a bad one gets an HTTP 400).
+active), with the same flag, the sekv scheduler (execution views), the
+check of every request's sekv parameters (a bad one gets an HTTP 400), and a
+KV cache sized for views (it must hold the model's window, not
+`--max-model-len`: a session may be far longer than the cache).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def register() -> None:
     compat.register_attention_hook()
     compat.install_scheduler_default(CONNECTOR_NAME)
     compat.install_request_validation(CONNECTOR_NAME, _check_request)
+    compat.size_kv_cache_for_views(CONNECTOR_NAME, compat.native_window_tokens)
     _registered = True
 
 

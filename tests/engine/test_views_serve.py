@@ -2,7 +2,9 @@
 
 One sekv server whose `--max-model-len` (32768, with
 `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`) is four times SmolLM2's native window
-(8192): views keep every forward pass inside the window. The 16K reader
+(8192): views keep every forward pass inside the window, so its KV cache
+(1 GiB: about 23K float32 tokens, fewer than `--max-model-len`; plain vLLM
+would refuse to start) need only hold the window. The 16K reader
 session of `views_session.py`: requests ask for a 4096-token view budget; a
 pass key sits in an early document, more than the native window back from
 the question. float32: in bf16 the 135M model's answer with the pass key's
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.engine
 
 VLLM_ARGS = ["--max-model-len", "32768", "--enforce-eager", "--dtype", "float32",
              "--gpu-memory-utilization", "0.5"]
-ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "SEKV_HOST_BYTES": "2G"}
+ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "SEKV_HOST_BYTES": "2G"}
 
 
 @pytest.fixture(scope="module")

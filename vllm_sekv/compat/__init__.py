@@ -40,6 +40,7 @@ from vllm_sekv.compat.patches import (
     restart_request,
     rewrite_request,
     sekv_scheduler_cls,
+    size_kv_cache_for_views,
 )
 from vllm_sekv.compat.versions import full_graph_replay, full_graph_slot_mapping, model_of_caller, prefill_cap_mixin
 
@@ -50,5 +51,5 @@ __all__ = [
     "kv_cache_block_size", "kv_cache_scales", "kv_capacity_tokens", "kv_update_replayed_from_cuda_graphs",
     "layer_index", "model_of_caller", "native_window_tokens", "new_request_block_ids", "paged_kv_byte_views",
     "paged_kv_views", "prefill_cap_mixin", "register_attention_hook", "register_connector", "request_cache_salt",
-    "restart_request", "rewrite_request", "sekv_scheduler_cls", "worker_rank",
+    "restart_request", "rewrite_request", "sekv_scheduler_cls", "size_kv_cache_for_views", "worker_rank",
 ]

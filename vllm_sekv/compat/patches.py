@@ -8,6 +8,9 @@
   invalid sekv request parameters are an HTTP 400 before the engine.
 * `hash_views_opaquely`: wraps the engine core's `get_request_block_hasher`
   so that requests served from views skip prefix-cache hashing.
+* `size_kv_cache_for_views`: wraps the engine core's `get_kv_cache_configs`
+  so that a sekv server's KV cache must hold the model's window, not its
+  `max_model_len`.
 * Scheduler surgery for execution views: `rewrite_request`,
   `hide_from_prefix_cache` and `restart_request` edit a vLLM `Request` and
   the scheduler's queues in place, as vLLM's streaming-session update does.
@@ -108,6 +111,46 @@ def install_request_validation(connector_name: str, check: Any) -> None:
 
     process_inputs._sekv_wrapped = True  # type: ignore[attr-defined]
     InputProcessor.process_inputs = process_inputs
+
+def size_kv_cache_for_views(connector_name: str, window_tokens: Any) -> None:
+    """Let a sekv server's `max_model_len` exceed what its KV cache holds.
+
+    vLLM refuses to start unless its KV cache holds one request of
+    `max_model_len` tokens. A sekv server serves every prompt longer than its
+    view budget from views, and no request of it holds more than the model's
+    window on the device (views fit the window, generation is clamped to it):
+    a session of a million tokens needs a cache of one window, not of a
+    million tokens. Wraps `get_kv_cache_configs`, where the engine core sizes
+    the cache and checks it (once per process; `vllm.v1.engine.core` binds the
+    name at import, so it is replaced there too): for a server whose KV
+    connector is `connector_name`, `max_model_len` reads
+    `window_tokens(vllm_config)` for the call and is restored after it. A
+    server that asks vLLM to fit `max_model_len` to its memory (`-1`) is left
+    alone."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+
+    original = kv_cache_utils.get_kv_cache_configs
+    if getattr(original, "_sekv_wrapped", False):
+        return
+
+    def get_kv_cache_configs(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        ktc, mc = vllm_config.kv_transfer_config, vllm_config.model_config
+        window = window_tokens(vllm_config)
+        if (ktc is None or ktc.kv_connector != connector_name or mc.max_model_len <= window
+                or getattr(mc, "original_max_model_len", None) == -1):
+            return original(vllm_config, *args, **kwargs)
+        held = mc.max_model_len
+        mc.max_model_len = window
+        try:
+            return original(vllm_config, *args, **kwargs)
+        finally:
+            mc.max_model_len = held
+
+    get_kv_cache_configs._sekv_wrapped = True  # type: ignore[attr-defined]
+    kv_cache_utils.get_kv_cache_configs = get_kv_cache_configs
+    if getattr(core, "get_kv_cache_configs", None) is original:
+        core.get_kv_cache_configs = get_kv_cache_configs
 
 # The pass salt of a request served from views (set by `rewrite_request` and
 # `hide_from_prefix_cache`).
