@@ -180,6 +180,8 @@ class SekvWorkerSide:
         # On CUDA the index lives on the GPU: probes score where the queries are.
         self.index = BlockIndex(self.num_slots, geo.num_layers, geo.kv_heads, geo.head_dim, self.rope, kind=kind,
                                 device=device if device.type == "cuda" else "cpu")
+        logger.info("sekv: block index of %d blocks on %s: %.2f GiB (not part of vLLM's gpu_memory_utilization)",
+                    self.num_slots, self.index.device, self.index.entries.nbytes / 2**30)
         mc = self.vllm_config.model_config
         self.index.warm_up(mc.get_num_attention_heads(self.vllm_config.parallel_config))
         self.index_feed = IndexFeed(self.index, self.pool, self.capture_writer, self.config.block_tokens)
