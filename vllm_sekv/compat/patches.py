@@ -136,9 +136,11 @@ def size_kv_cache_for_views(connector_name: str, window_tokens: Any) -> None:
 
     def get_kv_cache_configs(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
         ktc, mc = vllm_config.kv_transfer_config, vllm_config.model_config
+        ours = ktc is not None and ktc.kv_connector == connector_name
+        if not ours or getattr(mc, "original_max_model_len", None) == -1:
+            return original(vllm_config, *args, **kwargs)
         window = window_tokens(vllm_config)
-        if (ktc is None or ktc.kv_connector != connector_name or mc.max_model_len <= window
-                or getattr(mc, "original_max_model_len", None) == -1):
+        if mc.max_model_len <= window:
             return original(vllm_config, *args, **kwargs)
         held = mc.max_model_len
         mc.max_model_len = window
