@@ -65,6 +65,8 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerankall": {"rerank_blocks": 1 << 20},
     # the re-rank over the model's 16 retrieval heads only (`vllm-sekv calibrate-heads`, HEADS: Qwen's)
     "views-rerank-rh": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS)},
+    # and BM25's best 256 blocks re-ranked beside the index's best 1024 over those heads
+    "views-rerank-rh-lexc": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS), "lexical_candidates": 256},
     # fewer selected blocks, the rest of an 8K view the latest history (as the oracle fills its
     # room): about 120 and 28 selected blocks next to 4K and 7K recent tokens. A history is ingested
     # in chunks of that room too: about 33 and 136 passes for 131072 tokens, against 17
@@ -135,6 +137,10 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
                                                                       "view_passage_blocks": 8,
                                                                       "recompute_blocks": 100000,
                                                                       "recompute_layout": "in_order"}),
+    # the best 16 with passages, BM25's candidates among those the heads re-rank (the ranking is what is left)
+    "views-rerank-rh-lexc-hop2-sel16-psg8-rcall-ord": ("views-rerank-rh-lexc", {
+        "view_select_blocks": 16, "probe_hops": 2, "view_passage_blocks": 8, "recompute_blocks": 100000,
+        "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,
