@@ -124,12 +124,12 @@ class ViewCoordinator:
         self.codec_rank = 0 if codec in ("exact", ROUTER_CODEC) else parse_codec(codec).rank
         self._break_tokens = break_tokens
         self._breaks: BreakTokens | None = None
-        for key, value in (("view_passage_blocks", config.view_passage_blocks),
-                           ("view_cut_lines", config.view_cut_lines == "on")):
-            if value and break_tokens is None:
-                raise ValueError(f"sekv config '{key}': this server has no tokenizer to find passage and "
-                                 f"line breaks with")
-        if config.view_passage_blocks or config.view_cut_lines == "on":
+        needs_breaks = [key for key, on in (("view_passage_blocks", bool(config.view_passage_blocks)),
+                                            ("view_cut_lines", config.view_cut_lines == "on")) if on]
+        if needs_breaks:
+            if break_tokens is None:
+                raise ValueError(f"sekv config '{needs_breaks[0]}': this server has no tokenizer to find "
+                                 f"passage and line breaks with")
             self._breaks = self._find_breaks()
 
     def _find_breaks(self) -> BreakTokens:
