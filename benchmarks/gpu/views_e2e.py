@@ -273,13 +273,21 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
     return json.loads(Path(spec["out"]).read_text())
 
 
+def plain_of(rows: list[dict], row: dict) -> dict | None:
+    """The plain vLLM row `row` compares against: its own run's (same
+    commit and machine, in a merged report), else the first run's."""
+    plain = [r for r in rows if r["engine"] == "plain"]
+    same = [r for r in plain if (r.get("commit"), r.get("machine")) == (row.get("commit"), row.get("machine"))]
+    return (same or plain or [None])[0]
+
+
 def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | None = None) -> None:
-    plain = next((r for r in rows if r["engine"] == "plain"), None)
     plain_sync = next((r for r in rows if r["engine"] == "plain-sync"), None)
     sekv = [r for r in rows if r["engine"] in ("sekv", "sekv-resident")]
     sekv_sync = next((r for r in rows if r["engine"] == "sekv-sync" and "decode" in r), None)
     meta = meta or H.meta(H.command(__file__))
-    by_run = len({r.get("commit") for r in sekv}) > 1  # merged runs: each row names its commit
+    by_run = len({(r.get("commit"), r.get("machine")) for r in sekv}) > 1  # merged runs: each row names its commit
+    by_codec = len({r.get("codec", "exact") for r in sekv}) > 1
     modes = ", ".join(f"{r['engine']} {r['cudagraph_mode']}" for r in {r["engine"]: r for r in rows}.values()
                       if r.get("cudagraph_mode"))
     graphs = f"CUDA graphs (vLLM default; {modes})" if modes else "CUDA graphs (vLLM default)"
@@ -295,8 +303,8 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         "",
         "| engine | session tokens | grow step (ingest) | TTFT per step | steps (blocks placed / restored) | "
         "restored blocks (last step) | of them placed from the resident pool | GPU memory allocated | "
-        "vs plain warm TTFT |" + (" run |" if by_run else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if by_run else ""),
+        "vs plain warm TTFT |" + (" codec |" if by_codec else "") + (" run |" if by_run else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if by_codec else "") + ("---|" if by_run else ""),
     ]
     for r in sekv:
         for kind, steps, ttft in (("", r["steps"], r["ttft_s"]),
@@ -304,20 +312,26 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
             if not steps:
                 continue
             moved, placed = view_blocks(steps[-1])
+            plain = plain_of(rows, r)
             vs = f"{ttft / plain['warm_ttft_s']:.1f}x" if plain else "—"
             each = ", ".join(f"{s['ttft_s']:.3f} ({placed_share(s)})" for s in steps)
             lines.append(f"| {r['engine']}{kind} | {r['session_tokens'] // 1024}K | {r['grow_s']:.1f} s | {ttft:.3f} s | "
                          f"{each} | {moved + placed} | {placed} | {r['memory']['allocated_gib']:.2f} GiB | {vs} |"
+                         + (f" {r.get('codec', 'exact')} |" if by_codec else "")
                          + (f" {r.get('commit') or '?'} |" if by_run else ""))
-    if plain:
-        lines += ["", f"Plain vLLM, {plain['context_tokens'] // 1024}K context: cold TTFT {plain['cold_ttft_s']:.3f} s, "
-                  f"warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
+    for plain in (r for r in rows if r["engine"] == "plain"):
+        run = f" (run {plain.get('commit') or '?'})" if by_run else ""
+        lines += ["", f"Plain vLLM{run}, {plain['context_tokens'] // 1024}K context: cold TTFT "
+                  f"{plain['cold_ttft_s']:.3f} s, warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
                   f"{plain['memory']['allocated_gib']:.2f} GiB."]
-    decode = next((r["decode"] for r in sekv if "decode" in r), None)
-    if decode and plain:
+    for r in (r for r in sekv if "decode" in r):
+        plain = plain_of(rows, r)
+        if plain is None or "decode" not in plain:
+            continue
+        decode, run = r["decode"], f" (run {r.get('commit') or '?'})" if by_run else ""
         ratio = decode["decode_s_per_token"] / plain["decode"]["decode_s_per_token"]
-        lines += ["", f"Decode ({args.decode_tokens} tokens): sekv at {sekv[-1]['session_tokens'] // 1024}K session "
-                  f"{decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K "
+        lines += ["", f"Decode{run} ({args.decode_tokens} tokens): {r['engine']} at {r['session_tokens'] // 1024}K "
+                  f"session {decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K "
                   f"{plain['decode']['decode_s_per_token'] * 1e3:.2f} ms/token: {ratio:.3f}x."]
     if plain_sync:
         line = (f"Plain vLLM with asynchronous scheduling off (`plain-sync`), same context: decode "
@@ -350,12 +364,11 @@ def summary_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     else None), GPU memory allocated, and the last step's view blocks: placed
     from the device's resident pool (`resident_blocks`, with `resident_bytes`)
     and moved from host memory (`moved_blocks`)."""
-    plain = next((r for r in rows if r["engine"] == "plain"), None)
-    plain_decode = (plain or {}).get("decode", {}).get("decode_s_per_token")
     out = []
     for r in rows:
         if not r["engine"].startswith("sekv"):
             continue
+        plain_decode = (plain_of(rows, r) or {}).get("decode", {}).get("decode_s_per_token")
         decode = r.get("decode", {}).get("decode_s_per_token")
         for steps, ttft in ((r["steps"], r["ttft_s"]), (r.get("follow_ups"), r.get("follow_up_ttft_s"))):
             if not steps:
@@ -367,7 +380,8 @@ def summary_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
                         "decode_ms_per_token": None if decode is None else round(decode * 1e3, 3),
                         "plain_decode_ms_per_token": None if plain_decode is None else round(plain_decode * 1e3, 3),
                         "gpu_gib": round(r["memory"]["allocated_gib"], 2),
-                        "moved_blocks": moved, "resident_blocks": placed})
+                        "moved_blocks": moved, "resident_blocks": placed,
+                        **({"machine": r["machine"]} if r.get("machine") else {})})
     return out
 
 
@@ -442,8 +456,9 @@ def main() -> None:
         runs = [json.loads(Path(p).read_text()) for p in args.merge]
         for run in runs:  # a run written before the header existed: its command only
             run.setdefault("meta", {"commands": run["command"].split(" && ")})
-            for row in run["rows"]:  # the commit each row was measured at (a merged report's own rows keep theirs)
+            for row in run["rows"]:  # where each row was measured (a merged report's own rows keep theirs)
                 row.setdefault("commit", run["meta"].get("commit"))
+                row.setdefault("machine", run["meta"].get("machine"))
         report([r for run in runs for r in run["rows"]], args, Path(args.out), merged_meta(runs, H.command(__file__)))
         return
     if args.engine_spec:
