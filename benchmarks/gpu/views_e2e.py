@@ -38,7 +38,8 @@ keeps `--resident-bytes` of restored blocks on the device (diff restores:
 each step moves only the blocks the last ones did not bring; `--follow-ups
 N` adds N steps that send the last step's prompt again; the report gives
 every step's blocks placed / restored); `--merge A.json B.json` writes one
-report from runs made apart.
+report from runs made apart, each run's rows against its own plain vLLM
+(`plain_of`) and named by their commit and codec where those differ.
 """
 from __future__ import annotations
 
