@@ -527,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
             row["restored_tokens"] = (r["sekv"] or {}).get("restored_tokens")
             row["selected_blocks"] = view.get("selected_blocks")
             row["ranked_blocks"] = view.get("ranked_blocks")
+            if view.get("probe_ranked"):  # each probe hop's own best candidates
+                row["probe_ranked"] = view["probe_ranked"]
             row["answer_blocks"] = view.get("answer_blocks")
         with lock:
             with out.open("a") as f:

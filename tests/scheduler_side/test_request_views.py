@@ -5,6 +5,8 @@ builds the final view from both probes' rankings, limited to
 passages a request asks for (`view_context_blocks`, `view_passage_blocks`) and the
 lines their boundaries cut (`view_cut_lines`), on
 a real planner and vLLM request (no model: the worker's reports are given)."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -73,6 +75,10 @@ def test_a_second_hop_probes_behind_the_first_hops_view_and_the_view_takes_both_
     # room for 8 chosen blocks: 11, 41, 12, 42, 13 in turn, then the latest of the rest
     chosen = set(final.history_blocks) - {0, 58, 59}
     assert len(chosen) == 8 and {11, 12, 13, 41, 42} < chosen
+    # the response reports each hop's own ranking (ties: the later block first)
+    probe_ranked = views.finish(SimpleNamespace(request_id="r"))["probe_ranked"]
+    assert [r[:3] for r in probe_ranked] == [[11, 12, 13], [41, 42, 11]]
+    assert probe_ranked[0][3:5] == [57, 56] and all(len(r) == 57 for r in probe_ranked)
 
 
 def test_a_selection_limit_is_the_final_views_and_the_hop_probe_reads_the_whole_room():

@@ -37,10 +37,12 @@ from vllm_sekv.workspace.segments import Segments, segment
 from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
 from vllm_sekv.workspace.view_passes import (
-    PassKind, ViewBudget, ViewPass, final_pass, first_pass, hop_probe, interleave_hops, truncated_pass,
+    PassKind, ViewBudget, ViewPass, final_pass, first_pass, hop_probe, interleave_hops, rank_order, truncated_pass,
 )
 
 logger = logging.getLogger("vllm_sekv")
+
+PROBE_RANKED = 128  # best candidates of each probe a multi-hop view's response reports (`probe_ranked`)
 
 
 @dataclass
@@ -463,6 +465,9 @@ class ViewCoordinator:
             out["block_tokens"] = view.block_tokens
             out["selected_blocks"] = list(view.history_blocks) + list(view.recomputed)
             out["ranked_blocks"] = list(view.ranked)
+            if len(job.hop_scores) > 1:  # each probe's own best candidates, for what one hop adds to another
+                out["probe_ranked"] = [[job.probe.candidates[i] for i in rank_order(s)[:PROBE_RANKED]]
+                                       for s in job.hop_scores]
             if view.recomputed:
                 out["recomputed_blocks"] = len(view.recomputed)
             if view.anchors:

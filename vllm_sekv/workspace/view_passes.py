@@ -213,6 +213,12 @@ def hop_probe(probe: ViewPass, scores: Sequence[float], budget: ViewBudget, cont
     return replace(view, kind=PassKind.PROBE, candidates=probe.candidates, rerank_extra=probe.rerank_extra, ranked=())
 
 
+def rank_order(scores: Sequence[float]) -> np.ndarray:
+    """The indices of `scores`, best first; ties go to the later index (the
+    more recent block), as every ranking of candidates here breaks them."""
+    return np.lexsort((-np.arange(len(scores)), -np.asarray(scores, dtype=np.float64)))
+
+
 def interleave_hops(hops: Sequence[np.ndarray]) -> np.ndarray:
     """One score per candidate from each probe hop's scores (`hops[h][i]`
     rates candidate `i`): ranking by it takes the hops' best blocks in turn
@@ -222,10 +228,9 @@ def interleave_hops(hops: Sequence[np.ndarray]) -> np.ndarray:
     if len(hops) == 1:
         return np.asarray(hops[0])
     n = len(hops[0])
-    later = -np.arange(n)
     place = np.full(n, np.inf)
     for h, scores in enumerate(hops):
-        ranked = np.lexsort((later, -np.asarray(scores, dtype=np.float64)))  # best first
+        ranked = rank_order(scores)
         rank = np.empty(n)
         rank[ranked] = np.arange(n)
         place = np.minimum(place, rank * len(hops) + h)
@@ -313,8 +318,7 @@ def final_pass(
     anchor_room = max(0, min(anchor_tokens, (room - 1) * bt)) if anchors else 0
     room -= -(-anchor_room // bt)
     candidates = set(probe.candidates)
-    order = np.arange(len(scores))
-    ranked = np.lexsort((-order, -np.asarray(scores, dtype=np.float64))).tolist()  # best first, ties: later
+    ranked = rank_order(scores).tolist()
     limit = min(room, select_blocks) if select_blocks > 0 else room
     chosen = dict.fromkeys(choose_blocks((probe.candidates[i] for i in ranked), candidates, limit, room,
                                          context_blocks, passages, passage_blocks, lines))  # in the order chosen
