@@ -321,7 +321,7 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
                          + (f" {r.get('codec', 'exact')} |" if by_codec else "")
                          + (f" {r.get('commit') or '?'} |" if by_run else ""))
     for plain in (r for r in rows if r["engine"] == "plain"):
-        run = f" (run {plain.get('commit') or '?'})" if by_run else ""
+        run = f", run {plain.get('commit') or '?'}" if by_run else ""
         lines += ["", f"Plain vLLM{run}, {plain['context_tokens'] // 1024}K context: cold TTFT "
                   f"{plain['cold_ttft_s']:.3f} s, warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
                   f"{plain['memory']['allocated_gib']:.2f} GiB."]
@@ -329,9 +329,9 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         plain = plain_of(rows, r)
         if plain is None or "decode" not in plain:
             continue
-        decode, run = r["decode"], f" (run {r.get('commit') or '?'})" if by_run else ""
+        decode, run = r["decode"], f", run {r.get('commit') or '?'}" if by_run else ""
         ratio = decode["decode_s_per_token"] / plain["decode"]["decode_s_per_token"]
-        lines += ["", f"Decode{run} ({args.decode_tokens} tokens): {r['engine']} at {r['session_tokens'] // 1024}K "
+        lines += ["", f"Decode ({args.decode_tokens} tokens{run}): {r['engine']} at {r['session_tokens'] // 1024}K "
                   f"session {decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K "
                   f"{plain['decode']['decode_s_per_token'] * 1e3:.2f} ms/token: {ratio:.3f}x."]
     if plain_sync:

@@ -49,4 +49,4 @@ def test_merged_runs_compare_each_row_with_its_own_runs_plain_vllm(views, tmp_pa
         ("exact", "H200", 6.9), ("fp8", "H100", 9.1)]
     text = (tmp_path / "report.md").read_text()
     assert "| 0.450 s | 0.450 (0/2046) | 2046 | 0 | 60.00 GiB | 15.0x | fp8 | bbb |" in text  # 0.45 / 0.03
-    assert "Decode (run bbb) (128 tokens): sekv at 1024K session 9.50 ms/token vs plain 64K 9.10 ms/token" in text
+    assert "Decode (128 tokens, run bbb): sekv at 1024K session 9.50 ms/token vs plain 64K 9.10 ms/token" in text
