@@ -3,22 +3,12 @@ connector configurations, so that a run on the GPU machine never starts an
 engine only to have it refuse its configuration."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-GPU_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    sys.path[:0] = [str(GPU_BENCHMARKS), str(GPU_BENCHMARKS.parent)]  # its sibling modules
-    try:
-        import fleet_e2e
-    finally:
-        del sys.path[:2]
-    return fleet_e2e
+def fleet(gpu_benchmark):
+    return gpu_benchmark("fleet_e2e")
 
 
 def test_every_sekv_engine_is_a_valid_configuration_with_its_codec_and_views(fleet):

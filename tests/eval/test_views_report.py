@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-GPU_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
-
 
 @pytest.fixture(scope="module")
-def views():
-    sys.path[:0] = [str(GPU_BENCHMARKS), str(GPU_BENCHMARKS.parent)]  # its sibling modules
-    try:
-        import views_e2e
-    finally:
-        del sys.path[:2]
-    return views_e2e
+def views(gpu_benchmark):
+    return gpu_benchmark("views_e2e")
 
 
 def _sekv(commit: str, machine: str, tokens: int, ttft: float, decode: float, codec: str) -> dict:
