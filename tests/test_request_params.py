@@ -21,6 +21,7 @@ def test_valid_parameters_from_each_place():
     assert parse({"recompute_blocks": 64, "recompute_layout": "in_order"}) == \
         RequestParams(recompute_blocks=64, recompute_layout="in_order")
     assert parse({}, {"probe_hops": 2}) == RequestParams(probe_hops=2)
+    assert parse({"probe_hop_gain": 1}) == RequestParams(probe_hop_gain=1.0)
     assert parse({"view_context_blocks": 0}) == RequestParams(view_context_blocks=0)
     assert parse({"view_passage_blocks": 8}) == RequestParams(view_passage_blocks=8)
 
@@ -37,6 +38,8 @@ def test_valid_parameters_from_each_place():
     ({}, {"recompute_layout": "sorted"}, None, "vllm_xargs.recompute_layout"),
     ({"probe_hops": 0}, None, None, "kv_transfer_params.probe_hops"),
     ({"probe_hops": 4}, None, None, "kv_transfer_params.probe_hops"),
+    ({"probe_hop_gain": 1.5}, None, None, "kv_transfer_params.probe_hop_gain"),
+    ({}, {"probe_hop_gain": "0.5"}, None, "vllm_xargs.probe_hop_gain"),
     ({}, {"probe_hops": "2"}, None, "vllm_xargs.probe_hops"),
     ({"view_context_blocks": -1}, None, None, "kv_transfer_params.view_context_blocks"),
     ({"view_context_blocks": 10**9}, None, None, "kv_transfer_params.view_context_blocks"),

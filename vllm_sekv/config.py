@@ -246,6 +246,10 @@ class SekvConfig:
     # Costs one more pass per hop (a restore of the view and a prefill of
     # the new tokens).
     probe_hops: int = 1
+    # With probe_hops 2 or more: how much a later hop's ranking favours the
+    # blocks it lifts over the hops before it (`view_passes.interleave_hops`):
+    # 0 (each hop by its own ranking) to 1 (by the lift alone).
+    probe_hop_gain: float = 0.0
     # Of a view's selected history blocks, the first this many in the order
     # the view chose them (best score first) are computed afresh inside the
     # view instead of restored (0 = restore all). Restored KV carries the
@@ -303,7 +307,7 @@ class SekvConfig:
     _SIZES = ("host_bytes", "nvme_bytes", "resident_bytes")
     _STRINGS = ("nvme_dir", "index_combine", "router_path", "rerank_heads_path", "restore_codec", "hash_secret",
                 "remote_url", "remote_prefix")
-    _FLOATS = ("anchor_alpha", "lexical_weight")
+    _FLOATS = ("anchor_alpha", "lexical_weight", "probe_hop_gain")
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "view_cut_lines": ON_OFF, "nvme_sync": ON_OFF,
                 "recompute_layout": RECOMPUTE_LAYOUTS, "workspace_codec": WORKSPACE_CODECS}
@@ -353,6 +357,8 @@ class SekvConfig:
                              "view_context_blocks neighbours; set one of them to 0")
         if not 1 <= self.probe_hops <= MAX_PROBE_HOPS:
             raise ValueError(f"sekv config 'probe_hops': expected 1..{MAX_PROBE_HOPS}, got {self.probe_hops}")
+        if not 0.0 <= self.probe_hop_gain <= 1.0:
+            raise ValueError(f"sekv config 'probe_hop_gain': expected 0 to 1, got {self.probe_hop_gain}")
         if not _COMBINE_RE.match(self.index_combine):
             raise ValueError(
                 f"sekv config 'index_combine': expected mean, max or top<m> (e.g. top8), "

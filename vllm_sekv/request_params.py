@@ -3,7 +3,7 @@
 Clients name a session and may ask for their own view budget, turn SeKV
 coarse attention off, or choose how many selected blocks a view recomputes
 (`recompute_blocks`, `recompute_layout`), how many probes select them
-(`probe_hops`) and how many neighbours each brings (`view_context_blocks`)
+(`probe_hops`, `probe_hop_gain`) and how many neighbours each brings (`view_context_blocks`)
 or whether its passage (`view_passage_blocks`), at most how many blocks
 a view selects (`view_select_blocks`) and whether they complete the lines
 their boundaries cut (`view_cut_lines`: true or false, where the config key
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from vllm_sekv.config import MAX_PROBE_HOPS, MAX_VIEW_PASSAGE_BLOCKS, RECOMPUTE_LAYOUTS, SekvConfig
 
 KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops",
-        "view_context_blocks", "view_passage_blocks", "view_select_blocks", "view_cut_lines")
+        "probe_hop_gain", "view_context_blocks", "view_passage_blocks", "view_select_blocks", "view_cut_lines")
 MAX_SESSION_ID_CHARS = 256
 MAX_VIEW_CONTEXT_BLOCKS = 16
 
@@ -77,6 +77,7 @@ class RequestParams:
     view_passage_blocks: int | None = None  # None: the server's setting
     view_select_blocks: int | None = None  # None: the server's setting; 0: no limit
     view_cut_lines: bool | None = None  # None: the server's setting
+    probe_hop_gain: float | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -138,12 +139,16 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
         return value
 
     hops = ranged("probe_hops", 1, MAX_PROBE_HOPS)
+    gain_field, gain = given("probe_hop_gain")
+    if gain is not None and (isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 <= gain <= 1):
+        raise RequestParamError(f"{gain_field}: expected a number from 0 to 1, got {gain!r:.80}")
     context = ranged("view_context_blocks", 0, MAX_VIEW_CONTEXT_BLOCKS)
     passage = ranged("view_passage_blocks", 0, MAX_VIEW_PASSAGE_BLOCKS)
     if context and passage:
         raise RequestParamError(f"{given('view_passage_blocks')[0]}: a selected block brings either its "
                                 f"passage or view_context_blocks neighbours; send one of them")
-    return RequestParams(sid, view, coarse, recompute, layout, hops, context, passage, select, lines)
+    return RequestParams(sid, view, coarse, recompute, layout, hops, context, passage, select, lines,
+                         None if gain is None else float(gain))
 
 
 def of_request(request: Any) -> "RequestParams":

@@ -142,6 +142,10 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
                                                                       "view_passage_blocks": 8,
                                                                       "recompute_blocks": 100000,
                                                                       "recompute_layout": "in_order"}),
+    # likewise, each later probe ranking first what it lifts over the probes before it (`probe_hop_gain`)
+    "views-rerank-rh-hop3-gain5-sel16-psg8-rcall-ord": ("views-rerank-rh", {
+        "view_select_blocks": 16, "probe_hops": 3, "probe_hop_gain": 0.5, "view_passage_blocks": 8,
+        "recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # the best 16 with passages, BM25's candidates among those the heads re-rank (the ranking is what is left)
     "views-rerank-rh-lexc-hop2-sel16-psg8-rcall-ord": ("views-rerank-rh-lexc", {
         "view_select_blocks": 16, "probe_hops": 2, "view_passage_blocks": 8, "recompute_blocks": 100000,

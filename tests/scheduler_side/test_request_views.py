@@ -105,6 +105,23 @@ def test_a_request_asks_for_its_own_hops():
     assert kinds == [PassKind.PROBE, PassKind.FINAL]
 
 
+def test_a_request_asks_for_its_own_hop_gain():
+    views, prompt = coordinator(probe_hops=2, view_select_blocks=2)
+    first = np.zeros(57)
+    first[[10, 11, 12]] = [3.0, 2.0, 1.0]  # blocks 11, 12, 13
+    second = np.zeros(57)
+    second[[10, 11, 40]] = [3.0, 2.0, 1.0]  # 11 and 12 again, then 41 (which the first hop had low)
+    assert step(views, prompt, [first, second])[-1].ranked == (11, 12)
+    views.jobs.clear()
+    assert step(views, prompt, [first, second], probe_hop_gain=1.0)[-1].ranked == (11, 41)
+
+
+@pytest.mark.parametrize("gain", [-0.1, 1.1])
+def test_a_hop_gain_outside_0_to_1_is_refused_naming_the_key(gain):
+    with pytest.raises(ValueError, match="'probe_hop_gain'"):
+        SekvConfig(probe_hop_gain=gain)
+
+
 @pytest.mark.parametrize("hops", [0, 4])
 def test_probe_hops_outside_1_to_3_are_refused_naming_the_key(hops):
     with pytest.raises(ValueError, match="'probe_hops'"):

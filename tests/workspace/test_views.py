@@ -97,6 +97,17 @@ def test_interleaved_hops_take_each_hops_best_blocks_in_turn():
     assert np.argsort(-ties, kind="stable").tolist() == [2, 1, 0]
 
 
+def test_with_a_gain_a_later_hop_offers_what_it_lifts_before_what_the_first_hop_had():
+    first = np.array([9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 0.0])  # 0..6 best in order, 7 last
+    second = np.array([9.0, 8.0, 7.0, 0.0, 0.0, 0.0, 0.0, 6.0])  # 0, 1, 2 again, then 7 (lifted from last)
+    plain = np.argsort(-interleave_hops([first, second]), kind="stable").tolist()
+    assert plain[:5] == [0, 1, 2, 3, 7]  # the second hop's own best are the first hop's: 7 comes fifth
+    lifted = np.argsort(-interleave_hops([first, second], gain=1.0), kind="stable").tolist()
+    assert lifted[:2] == [0, 7]  # the second hop's first offer is the block it lifted most
+    assert sorted(lifted) == list(range(8))
+    assert interleave_hops([first], gain=1.0) is first
+
+
 def test_a_long_new_part_is_ingested_down_to_a_quarter_of_the_room():
     # 4 blocks of history, 80 new tokens (10 blocks): room 9 -> at most 2 new blocks per view
     p = first_pass(num_prompt_tokens=112, matched_blocks=4, budget=BUDGET)

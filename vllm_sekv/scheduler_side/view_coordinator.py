@@ -57,6 +57,7 @@ class ViewJob:
     scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
+    hop_gain: float = 0.0  # how a later hop favours what it lifts (`interleave_hops`; likewise)
     context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
     passage_blocks: int = 0  # most blocks of its passage each selected block brings (likewise)
     select_blocks: int = 0  # most blocks a view selects, 0: its room (likewise)
@@ -189,6 +190,7 @@ class ViewCoordinator:
             else params.recompute_blocks
         job.recompute_in_order = (params.recompute_layout or self.config.recompute_layout) == "in_order"
         job.probe_hops = params.probe_hops or self.config.probe_hops
+        job.hop_gain = self.config.probe_hop_gain if params.probe_hop_gain is None else params.probe_hop_gain
         job.context_blocks, job.passage_blocks = self._extents(params)
         job.select_blocks = self.config.view_select_blocks if params.view_select_blocks is None \
             else params.view_select_blocks
@@ -314,7 +316,7 @@ class ViewCoordinator:
         """The finished probes' candidate scores (their hops interleaved),
         fused with the candidates' lexical scores against the new tokens
         where `lexical_weight` is set."""
-        scores = interleave_hops(job.hop_scores)
+        scores = interleave_hops(job.hop_scores, job.hop_gain)
         if not self.config.lexical_weight:
             return scores
         return lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)

@@ -219,20 +219,34 @@ def rank_order(scores: Sequence[float]) -> np.ndarray:
     return np.lexsort((-np.arange(len(scores)), -np.asarray(scores, dtype=np.float64)))
 
 
-def interleave_hops(hops: Sequence[np.ndarray]) -> np.ndarray:
+def rank_places(scores: Sequence[float]) -> np.ndarray:
+    """Each candidate's place in `rank_order(scores)` (0: the best)."""
+    place = np.empty(len(scores))
+    place[rank_order(scores)] = np.arange(len(scores))
+    return place
+
+
+def interleave_hops(hops: Sequence[np.ndarray], gain: float = 0.0) -> np.ndarray:
     """One score per candidate from each probe hop's scores (`hops[h][i]`
     rates candidate `i`): ranking by it takes the hops' best blocks in turn
     (hop 0's best, hop 1's best, hop 0's second, ...; a block at its best
     place over the hops). Ties within a hop go to the later block, as in
-    `final_pass`. One hop: its own scores."""
+    `final_pass`. One hop: its own scores.
+
+    `gain` > 0: a later hop ranks a candidate by how far it lifts it over
+    the hops before it, `gain * log(1 + place before) - log(1 + its place)`
+    (places in `rank_places`; before: this interleaving of the earlier
+    hops), so a block the earlier probes already ranked high (the template
+    every look-alike shares) gives way to one the evidence they found newly
+    points to. 0: each hop by its own scores."""
     if len(hops) == 1:
         return np.asarray(hops[0])
     n = len(hops[0])
     place = np.full(n, np.inf)
     for h, scores in enumerate(hops):
-        ranked = rank_order(scores)
-        rank = np.empty(n)
-        rank[ranked] = np.arange(n)
+        rank = rank_places(scores)
+        if gain and h:
+            rank = rank_places(gain * np.log1p(rank_places(-place)) - np.log1p(rank))
         place = np.minimum(place, rank * len(hops) + h)
     return -place
 
