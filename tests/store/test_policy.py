@@ -1,3 +1,7 @@
+import random
+
+import pytest
+
 from vllm_sekv.store.policy import LRUPolicy, SLRUPolicy, make_policy
 
 
@@ -53,3 +57,22 @@ def test_protected_segment_is_bounded():
 def test_make_policy():
     assert isinstance(make_policy("lru", 4), LRUPolicy)
     assert isinstance(make_policy("slru", 4), SLRUPolicy)
+
+
+@pytest.mark.parametrize("make", [LRUPolicy, lambda: SLRUPolicy(capacity=6, protected_fraction=0.5)])
+def test_touching_all_at_once_orders_like_touching_each_in_turn(make):
+    rng = random.Random(0)
+    one, each = make(), make()
+    for _ in range(200):
+        key = rng.randrange(12)
+        if rng.random() < 0.3:
+            one.insert(key), each.insert(key)
+        else:
+            keys = [rng.randrange(14) for _ in range(rng.randrange(6))]  # some never inserted
+            one.touch_all(keys)
+            for k in keys:
+                each.touch(k)
+        assert vars(one) == vars(each)  # the same keys in the same order, segment by segment
+        victim = one.victim()
+        if victim is not None and rng.random() < 0.2:
+            one.remove(victim), each.remove(victim)

@@ -15,13 +15,14 @@ Not thread-safe; owned by the scheduler-side catalog.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable, Hashable, Protocol
+from collections import OrderedDict, deque
+from typing import Callable, Hashable, Iterable, Protocol
 
 
 class EvictionPolicy(Protocol):
     def insert(self, key: Hashable) -> None: ...
     def touch(self, key: Hashable) -> None: ...
+    def touch_all(self, keys: Iterable[Hashable]) -> None: ...  # `touch` each, in order
     def remove(self, key: Hashable) -> None: ...
     def victim(self, skip: Callable[[Hashable], bool] = lambda k: False) -> Hashable | None: ...
     def __len__(self) -> int: ...
@@ -45,6 +46,10 @@ class LRUPolicy:
     def touch(self, key: Hashable) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_all(self, keys: Iterable[Hashable]) -> None:
+        order = self._order  # a session's whole history per step: no Python loop
+        deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)
 
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
@@ -80,6 +85,14 @@ class SLRUPolicy:
         while len(self._protected) > self._protected_cap:
             demoted, _ = self._protected.popitem(last=False)
             self._probation[demoted] = None  # most recent end of probation
+
+    def touch_all(self, keys: Iterable[Hashable]) -> None:
+        protected = self._protected
+        for key in keys:  # most often a block used again while protected: one move
+            if key in protected:
+                protected.move_to_end(key)
+            else:
+                self.touch(key)
 
     def remove(self, key: Hashable) -> None:
         self._probation.pop(key, None)

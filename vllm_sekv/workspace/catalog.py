@@ -138,13 +138,8 @@ class BlockCatalog:
 
     def match_prefix(self, hashes: Iterable[bytes]) -> list[BlockRecord]:
         """Committed records (on any tier) of the longest prefix of `hashes`."""
-        out = []
-        for h in hashes:
-            rec = self._by_hash.get(h)
-            if rec is None:
-                break
-            out.append(rec)
-        return out
+        found = list(map(self._by_hash.get, hashes))  # one lookup each, without a Python loop
+        return found[:found.index(None)] if None in found else found
 
     # ------------------------------------------------------------ host tier
 
@@ -342,11 +337,10 @@ class BlockCatalog:
     def touch(self, records: Iterable[BlockRecord]) -> None:
         """Record a use (a restore) of committed blocks, for both policies
         (the NVMe one only with an NVMe tier: without, it orders nothing)."""
-        records = records if isinstance(records, list) else list(records)
-        policies = [self._host_policy.touch] + ([self._nvme_policy.touch] if self.nvme_enabled else [])
-        for touch in policies:
-            for rec in records:
-                touch(rec.block_hash)
+        keys = [rec.block_hash for rec in records]
+        self._host_policy.touch_all(keys)
+        if self.nvme_enabled:
+            self._nvme_policy.touch_all(keys)
 
     def pin(self, records: Iterable[BlockRecord]) -> None:
         for rec in records:
