@@ -142,6 +142,10 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
                                                                       "view_passage_blocks": 8,
                                                                       "recompute_blocks": 100000,
                                                                       "recompute_layout": "in_order"}),
+    # likewise, completing the lines the selected blocks' boundaries cut (`view_cut_lines`)
+    "views-rerank-rh-hop3-sel16-psg8-lines-rcall-ord": ("views-rerank-rh", {
+        "view_select_blocks": 16, "probe_hops": 3, "view_passage_blocks": 8, "view_cut_lines": True,
+        "recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # likewise, each later probe ranking first what it lifts over the probes before it (`probe_hop_gain`)
     "views-rerank-rh-hop3-gain5-sel16-psg8-rcall-ord": ("views-rerank-rh", {
         "view_select_blocks": 16, "probe_hops": 3, "probe_hop_gain": 0.5, "view_passage_blocks": 8,
