@@ -1,5 +1,5 @@
 """Scheduler-side cost of one agent step served from views, no model: admission,
-the probe pass, the final pass and its step plan, at a 512K-token history held
+the probe pass, the final pass and its step plan, at a 512K-token history (`--history-tokens`) held
 in the workspace (32-token blocks, 64K views). Wall-clock times of the
 engine-core-side Python alone (no profiler), median of 3 steps after a warm-up.
 Then the same side of decoding: per generated token, the step plan (capture of
@@ -7,7 +7,7 @@ the token at its virtual position) and the confirmation that commits finished
 blocks, the request's tokens given as the view job gives them (history +
 generated), mean over 128 tokens.
 
-    python benchmarks/view_scheduler_cost.py
+    python benchmarks/view_scheduler_cost.py [--history-tokens 1048576 --out DIR]
 
 Writes benchmarks/results/scheduler_cost/views.{json,md} (`--out DIR`), the
 Markdown headed by the machine, commit and command; hand-written notes at its
@@ -34,10 +34,12 @@ from vllm_sekv.workspace.hashing import JoinedTokens, extend_block_hashes
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
 
-N, BT, VIEW = 524288, 32, 65536
+BT, VIEW = 32, 65536
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default=str(H.results_dir("scheduler_cost")), help="writes OUT/views.{json,md}")
+ap.add_argument("--history-tokens", type=int, default=524288, help="the history the workspace holds")
 args = ap.parse_args()
+N = args.history_tokens
 cfg = SekvConfig(view_tokens=VIEW)
 catalog = BlockCatalog(N // BT + 64, LRUPolicy())
 planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
