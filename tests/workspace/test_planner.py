@@ -323,3 +323,32 @@ def test_a_long_prompt_never_evicts_its_own_first_blocks_ahead_of_an_idle_sessio
     assert len(eng.catalog.match_prefix(extend_block_hashes([], prompt, BT, ""))) == 8
     assert sum(h in eng.catalog for h in extend_block_hashes([], idle, BT, "")) == 2  # the idle session paid
     assert all(rec.pins == 0 for rec in eng.catalog.match_prefix(extend_block_hashes([], prompt, BT, "")))
+
+
+
+def test_blocks_computed_while_every_host_slot_is_held_are_counted_as_not_kept():
+    eng = Engine(num_slots=6)
+    eng.admit("x", list(range(900, 924)))  # 3 blocks, pinned while x runs
+    eng.run({"x": (0, 24)})
+    prompt = list(range(1, 41))  # 5 blocks: 3 slots left
+    eng.admit("a", prompt)
+    eng.run({"a": (0, 32)})  # block 3 finds no slot
+    eng.planner.finish("x", eng.tokens["x"], 24)  # x's slots could be given up now: too late for
+    eng.run({"a": (32, 8)})                        # block 3, and a keeps none after it
+    st = eng.planner.finish("a", prompt, 40)
+    eng.run({})
+    assert st.unkept_blocks == 2
+    assert eng.admit("b", prompt + [5]) == 24
+    assert eng.admit("c", list(range(900, 924)) + [5]) == 24  # x's blocks were not needed for a's
+
+
+def test_a_block_another_request_kept_is_not_counted_as_not_kept():
+    eng = Engine(num_slots=3)
+    prompt = list(range(1, 41))
+    eng.admit("a", prompt)
+    eng.admit("b", prompt)
+    eng.run({"a": (0, 40)})  # 3 slots: blocks 3 and 4 not kept
+    eng.planner.finish("a", prompt, 40)
+    eng.run({})
+    st = eng.planner.finish("b", prompt, 0)  # b computed nothing
+    assert st.unkept_blocks == 0

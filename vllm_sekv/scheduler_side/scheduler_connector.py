@@ -10,6 +10,7 @@ server killed at any point has listed every session it served.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm_sekv import compat, model_identity, request_params
@@ -91,6 +92,7 @@ class SekvSchedulerSide:
         # completed when the worker reports their last step (see
         # `update_connector_output`).
         self._open_params: dict[str, dict[str, Any]] = {}
+        self._unkept_warned_at = float("-inf")
         logger.info(
             "sekv: host tier of %d blocks x %d tokens (%.1f MiB per block)%s",
             num_slots, config.block_tokens, block_bytes / 2**20,
@@ -228,6 +230,7 @@ class SekvSchedulerSide:
             "vllm_cached_tokens": cached - restored,
             "restore_ms": round(1000.0 * st.restore_seconds, 3) if restored else 0.0,
             "resident_blocks": st.resident_blocks,  # restored from the device's resident pool, not moved
+            "unkept_tokens": st.unkept_blocks * self.planner.block_tokens,  # full blocks the host tier had no room for
             "workspace_blocks": self.catalog.tenant_blocks(st.tenant),  # this tenant's only
         }
         if view_info is not None:
@@ -238,10 +241,21 @@ class SekvSchedulerSide:
             # step's worker report: that step's restore time (a view's final
             # pass, or a one-step request's only restore) comes later this step.
             self._open_params[req_id] = params
+        if st.unkept_blocks:
+            self._warn_unkept(req_id, st.unkept_blocks)
         self._note_session(st)
         return False, {"sekv": params}
 
     # ------------------------------------------------------------ upkeep
+
+    def _warn_unkept(self, req_id: str, blocks: int) -> None:
+        """At most one warning a minute: a busy server would repeat it every request."""
+        now = time.monotonic()
+        if now - self._unkept_warned_at >= 60.0:
+            self._unkept_warned_at = now
+            logger.warning("sekv: request %s: %d computed blocks were not kept: every host slot was held by a "
+                           "restore, a running request or an NVMe write (a larger host_bytes keeps them)",
+                           req_id, blocks)
 
     def _note_session(self, st: Any) -> None:
         """Hand a finished request's session (and any the table let go) to

@@ -287,7 +287,8 @@ class WorkspacePlanner:
         st.coarse_pending = st.coarse_summaries(coarse, view, self.block_tokens) if st.coarse else None
         st.view_lowrank = dict(lowrank or {})
         st.view, st.view_virtual = view, positions
-        st.paged_block_ids, st.skip_blocks, st.capture_broken = [], set(), False
+        self._count_unkept(st)
+        st.paged_block_ids, st.skip_blocks = [], set()
         st.pending_restore, st.cached_tokens = None, -1
         st.match_end_tokens = view.history_tokens
         return view.history_tokens
@@ -399,7 +400,7 @@ class WorkspacePlanner:
     ) -> BlockRecord | None:
         if block in st.captures:
             return st.captures[block]
-        if block in st.skip_blocks or st.capture_broken:
+        if block in st.skip_blocks:
             return None
         bt = self.block_tokens
         if block * bt < first:
@@ -411,12 +412,25 @@ class WorkspacePlanner:
         if block < len(st.hashes) and st.hashes[block] in self.catalog:
             st.skip_blocks.add(block)  # someone already holds it
             return None
-        rec = self.catalog.reserve(start_token=block * bt, tenant=st.tenant)
+        rec = None if st.capture_broken else self.catalog.reserve(start_token=block * bt, tenant=st.tenant)
         if rec is None:
+            # Every host slot is held (restores in flight, running requests'
+            # own blocks, NVMe writes): this block and the request's later
+            # ones are not kept. The forward writes a block's KV once; a
+            # capture reads it then or never.
             st.capture_broken = True
+            st.skip_blocks.add(block)
+            st.unkept.add(block)
             return None
         st.captures[block] = rec
         return rec
+
+    def _count_unkept(self, st: RequestState) -> None:
+        """Add to `st.unkept_blocks` the full blocks it could not keep that no
+        other request kept either; its capture may start over (a new view pass)."""
+        st.unkept_blocks += sum(1 for b in st.unkept if b < len(st.hashes) and st.hashes[b] not in self.catalog)
+        st.unkept.clear()
+        st.capture_broken = False
 
     # -------------------------------------------------------- confirmations
 
@@ -473,7 +487,8 @@ class WorkspacePlanner:
         """The request ended. `token_ids` and `num_computed_tokens` are virtual
         (the full history) for a request served from a view. Blocks still
         waiting for confirmation stay reserved until `confirm`; incomplete ones
-        are released now."""
+        are released now; those the host tier had no slot for count in
+        `unkept_blocks`."""
         st = self.requests.get(req_id)
         if st is None:
             return None
@@ -486,6 +501,7 @@ class WorkspacePlanner:
         bt = self.block_tokens
         extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.tenant)
         self._release_captures(st, complete_blocks=len(st.hashes))
+        self._count_unkept(st)
         if st.session_id is not None:
             self.sessions.record(st.tenant, st.session_id, st.hashes, num_computed_tokens)
         self._retire(st)

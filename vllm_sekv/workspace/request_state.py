@@ -41,7 +41,8 @@ class RequestState:
     restore_pins: dict[int, list[BlockRecord]] = field(default_factory=dict)  # step -> pinned
     captures: dict[int, BlockRecord] = field(default_factory=dict)  # block index -> reserved
     skip_blocks: set[int] = field(default_factory=set)  # not ours to capture
-    capture_broken: bool = False  # the tier was full: stop reserving
+    capture_broken: bool = False  # the host tier had no slot to give up: stop reserving
+    unkept: set[int] = field(default_factory=set)  # blocks it computed after that, not kept
     finished: bool = False
     # Blocks pinned until the request ends: the blocks it committed itself
     # (never victims of its own later captures while it runs), and for
@@ -62,6 +63,7 @@ class RequestState:
     nvme_read_tokens: int = 0  # of those, tokens read back from NVMe for this request
     remote_read_tokens: int = 0  # of those, tokens read from the remote tier
     restore_seconds: float = 0.0
+    unkept_blocks: int = 0  # full blocks it computed that the workspace could not keep
     resident_blocks: int = 0  # of restored_tokens' blocks, those copied from the device's resident pool
 
     def paged_slots(self, paged_block_size: int, positions: np.ndarray) -> np.ndarray:
