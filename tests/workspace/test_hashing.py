@@ -28,6 +28,12 @@ def test_extension_is_incremental():
     assert extend_block_hashes(part, tokens, 4, "s") == hashes(tokens, salt="s")
 
 
+def test_extension_up_to_an_end_hashes_that_prefix_only():
+    tokens = list(range(20))
+    assert extend_block_hashes([], tokens, 4, "s", end=11) == hashes(tokens[:11], salt="s")
+    assert extend_block_hashes([], tokens, 4, "s", end=99) == hashes(tokens, salt="s")
+
+
 def test_the_memo_gives_the_hashes_of_hashing_from_scratch_and_reuses_a_shared_prefix(monkeypatch):
     import random
 

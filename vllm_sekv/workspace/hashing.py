@@ -22,15 +22,17 @@ def root_hash(tenant: str) -> bytes:
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_tokens: int, tenant: str
+    hashes: list[bytes], token_ids: Sequence[int], block_tokens: int, tenant: str, end: int | None = None
 ) -> list[bytes]:
-    """Append the hashes of every full block of `token_ids` not yet in `hashes`.
+    """Append the hashes of every full block of `token_ids[:end]` not yet in `hashes`.
 
     `hashes` holds the hashes of the first len(hashes) blocks of the same
-    sequence (possibly none); it is extended in place and returned.
+    sequence (possibly none); it is extended in place and returned. Only
+    the new blocks' tokens are read (`end` spares the caller a copy).
     """
     parent = hashes[-1] if hashes else root_hash(tenant)
-    for start in range(len(hashes) * block_tokens, len(token_ids) - block_tokens + 1, block_tokens):
+    end = len(token_ids) if end is None else min(end, len(token_ids))
+    for start in range(len(hashes) * block_tokens, end - block_tokens + 1, block_tokens):
         chunk = array("q", token_ids[start : start + block_tokens]).tobytes()
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
         hashes.append(parent)

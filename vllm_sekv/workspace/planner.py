@@ -188,13 +188,7 @@ class WorkspacePlanner:
                 st.matched[b].host_slot: block for b, block in st.view_lowrank.items() if b in held}
         st.restored_tokens = num_external_tokens  # like resident_blocks: this restore's (a view's last pass)
         st.resident_blocks = 0
-        rows_of = np.bincount(blocks, minlength=len(st.matched))  # restored rows per matched block
-        used_blocks = np.flatnonzero(rows_of).tolist()
-        used = [st.matched[b] for b in used_blocks]
-        st.nvme_read_tokens = sum(int(rows_of[b]) for b, rec in zip(used_blocks, used)
-                                  if rec.block_hash in st.promoted) if st.promoted else 0
-        st.remote_read_tokens = sum(int(rows_of[b]) for b, rec in zip(used_blocks, used)
-                                    if rec.block_hash in st.remote_promoted) if st.remote_promoted else 0
+        used = st.restored_blocks(blocks)
         self.catalog.pin(used)
         self.catalog.touch(used)
         st.restore_pins[-1] = used  # re-keyed to the step that carries the restore
@@ -287,7 +281,7 @@ class WorkspacePlanner:
         st.coarse_pending = st.coarse_summaries(coarse, view, self.block_tokens) if st.coarse else None
         st.view_lowrank = dict(lowrank or {})
         st.view, st.view_virtual = view, positions
-        self._count_unkept(st)
+        st.settle_unkept(self.catalog)
         st.paged_block_ids, st.skip_blocks = [], set()
         st.pending_restore, st.cached_tokens = None, -1
         st.match_end_tokens = view.history_tokens
@@ -413,24 +407,13 @@ class WorkspacePlanner:
             st.skip_blocks.add(block)  # someone already holds it
             return None
         rec = None if st.capture_broken else self.catalog.reserve(start_token=block * bt, tenant=st.tenant)
-        if rec is None:
-            # Every host slot is held (restores in flight, running requests'
-            # own blocks, NVMe writes): this block and the request's later
-            # ones are not kept. The forward writes a block's KV once; a
-            # capture reads it then or never.
-            st.capture_broken = True
+        if rec is None:  # every host slot is held: this block and the later ones are not kept (the
+            st.capture_broken = True  # forward writes a block's KV once; a capture reads it then or never)
             st.skip_blocks.add(block)
             st.unkept.add(block)
             return None
         st.captures[block] = rec
         return rec
-
-    def _count_unkept(self, st: RequestState) -> None:
-        """Add to `st.unkept_blocks` the full blocks it could not keep that no
-        other request kept either; its capture may start over (a new view pass)."""
-        st.unkept_blocks += sum(1 for b in st.unkept if b < len(st.hashes) and st.hashes[b] not in self.catalog)
-        st.unkept.clear()
-        st.capture_broken = False
 
     # -------------------------------------------------------- confirmations
 
@@ -499,9 +482,9 @@ class WorkspacePlanner:
         self.catalog.unpin(st.waiting_pins + st.held_pins)
         st.waiting_pins, st.held_pins = [], []
         bt = self.block_tokens
-        extend_block_hashes(st.hashes, token_ids[:num_computed_tokens], bt, st.tenant)
+        extend_block_hashes(st.hashes, token_ids, bt, st.tenant, end=num_computed_tokens)
         self._release_captures(st, complete_blocks=len(st.hashes))
-        self._count_unkept(st)
+        st.settle_unkept(self.catalog)
         if st.session_id is not None:
             self.sessions.record(st.tenant, st.session_id, st.hashes, num_computed_tokens)
         self._retire(st)

@@ -6,7 +6,7 @@ Plain data plus pure helpers; the planner owns and mutates it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Container, Sequence
 
 import numpy as np
 
@@ -76,6 +76,27 @@ class RequestState:
         first, last = int(blocks.min()), int(blocks.max())
         ids = np.asarray(self.paged_block_ids[first:last + 1], dtype=np.int64)
         return ids[blocks - first] * pbs + positions % pbs
+
+    def restored_blocks(self, blocks: np.ndarray) -> list[BlockRecord]:
+        """The matched blocks a restore reads (`blocks`: each row's index in
+        `matched`); notes how many of its rows were read back from NVMe and
+        from the remote tier for it."""
+        rows_of = np.bincount(blocks, minlength=len(self.matched))
+        used_blocks = np.flatnonzero(rows_of).tolist()
+        used = [self.matched[b] for b in used_blocks]
+        self.nvme_read_tokens = sum(int(rows_of[b]) for b, rec in zip(used_blocks, used)
+                                    if rec.block_hash in self.promoted) if self.promoted else 0
+        self.remote_read_tokens = sum(int(rows_of[b]) for b, rec in zip(used_blocks, used)
+                                      if rec.block_hash in self.remote_promoted) if self.remote_promoted else 0
+        return used
+
+    def settle_unkept(self, kept: Container[bytes]) -> None:
+        """Count in `unkept_blocks` the full blocks it could not keep that
+        `kept` (the catalog) lacks, kept by no other request either; its
+        capture may start over (a new view pass)."""
+        self.unkept_blocks += sum(1 for b in self.unkept if b < len(self.hashes) and self.hashes[b] not in kept)
+        self.unkept.clear()
+        self.capture_broken = False
 
     def view_sources(self, positions: np.ndarray, block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host rows, re-RoPE deltas (view - virtual) and the index in
