@@ -1,5 +1,6 @@
 """Scheduler-side cost of one agent step served from views, no model: admission,
-the probe pass, the final pass and its step plan, at a 512K-token history (`--history-tokens`) held
+the probe pass, the final pass and its step plan, and the request's end (the
+session's history recorded), at a 512K-token history (`--history-tokens`) held
 in the workspace (32-token blocks, 64K views). Wall-clock times of the
 engine-core-side Python alone (no profiler), median of 3 steps after a warm-up.
 Then the same side of decoding: per generated token, the step plan (capture of
@@ -50,8 +51,9 @@ for b, h in enumerate(extend_block_hashes([], history, BT, "")):
     catalog.commit(rec, h)
 prompt = history + [random.randrange(1000, 128000) for _ in range(64)]
 
-def step(i):
+def step(i, finish=True):
     req = Request(f"r{i}", prompt, SamplingParams(max_tokens=1), None, block_hasher=None)
+    req.session_id = "agent"  # one session: each step's history extends the last one's
     t = {}
     t0 = time.perf_counter(); views.admit(req); t["admit"] = time.perf_counter() - t0
     t0 = time.perf_counter(); n = views.next_pass(req); t["probe pass"] = time.perf_counter() - t0
@@ -63,7 +65,17 @@ def step(i):
     planner.set_paged_blocks(req.request_id, list(range(req.num_tokens // 16 + 2)), replace=True)
     t0 = time.perf_counter(); plan = planner.plan_step({req.request_id: (n, req.num_tokens - n)}, lambda rid: prompt); t["plan step"] = time.perf_counter() - t0
     planner.confirm(plan.step_id, set(), lambda rid: prompt)
+    if finish:
+        t0 = time.perf_counter(); end(req); t["finish"] = time.perf_counter() - t0
     return t, req
+
+
+def end(req):
+    """What the scheduler side does when vLLM finishes the request (`request_finished`)."""
+    req.num_computed_tokens = req.num_tokens
+    tokens, computed = views.virtual_progress(req)
+    views.finish(req)
+    planner.finish(req.request_id, tokens, computed)
 
 
 def decode(req, tokens=128):
@@ -90,8 +102,9 @@ print(f"history {N} tokens, {BT}-token blocks, {VIEW}-token views; median of 3 s
 for k, v in medians.items():
     print(f"  {k:12s} {v * 1e3:7.1f}")
 print(f"  {'total':12s} {sum(medians.values()) * 1e3:7.1f}")
-_, req = step(4)
+_, req = step(4, finish=False)
 per_token = decode(req)
+end(req)
 print(f"decode: {per_token * 1e3:.2f} ms per token (plan + confirm, mean of 128 tokens)")
 
 data = {"meta": H.meta(H.command(__file__)), "history_tokens": N, "block_tokens": BT, "view_tokens": VIEW,
@@ -103,7 +116,8 @@ out.mkdir(parents=True, exist_ok=True)
 H.write_report(out / "views.md", [
     *H.header_from(data["meta"], "Scheduler-side host cost of a step served from views (no model)"),
     f"A {N}-token history in the workspace ({BT}-token blocks), {VIEW}-token views: admission, the probe "
-    "pass, the final pass and its step plan (median of 3 steps after a warm-up), then decoding (plan + "
+    "pass, the final pass and its step plan, the request's end (median of 3 steps of one session after a "
+    "warm-up), then decoding (plan + "
     "confirmation per generated token, mean of 128 tokens).", "",
     "| " + " | ".join(data["step_median_ms"]) + " | step total | decode, per token |",
     "|---" * (len(data["step_median_ms"]) + 2) + "|",

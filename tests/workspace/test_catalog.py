@@ -183,3 +183,13 @@ def test_nvme_shares_work_the_same_way():
     stored = [k for k in range(3) if cat.lookup(h(k)).nvme is NvmeState.STORED]
     assert stored == [1, 2]  # the share is 2: a's first record went for its third
     assert cat.take_deletes() == [h(0)]
+
+
+@pytest.mark.parametrize("old, new", [([0, 1, 2], [0, 1, 2]), ([0, 1, 2], [0, 1, 2, 3]), ([0, 1, 2, 3], [0, 1]),
+                                      ([0, 1, 2], [3, 1, 2]), ([], [0, 1]), ([2, 3], [])])
+def test_repinning_leaves_every_block_pinned_as_unpinning_the_old_and_pinning_the_new_would(old, new):
+    cat = BlockCatalog(8, LRUPolicy())
+    recs = fill(cat, range(4))
+    cat.pin([recs[i] for i in old])
+    cat.repin([recs[i] for i in old], [recs[i] for i in new])
+    assert [rec.pins for rec in recs] == [new.count(i) for i in range(4)]

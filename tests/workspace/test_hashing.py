@@ -1,6 +1,6 @@
 import pytest
 
-from vllm_sekv.workspace.hashing import JoinedTokens, extend_block_hashes
+from vllm_sekv.workspace.hashing import JoinedTokens, PrefixHashMemo, extend_block_hashes
 
 
 def hashes(tokens, salt="", bt=4):
@@ -139,3 +139,15 @@ def test_the_memo_stays_bounded_whatever_clients_send():
     for i in range(1000):
         memo.hashes(list(range(16)), "t", f"id-{i}")
     assert len(memo) == 16
+
+
+def test_the_memo_keeps_its_own_tokens_when_a_sequence_grows():
+    memo = PrefixHashMemo(block_tokens=4)
+    tokens = list(range(16))
+    memo.hashes(tokens, "s")
+    grown = tokens + list(range(100, 108))
+    memo.hashes(grown, "s")
+    grown[2], tokens[3] = 999, 998  # callers rewrite their lists
+    again = list(range(16)) + list(range(100, 108)) + [1, 2, 3, 4]
+    assert memo.hashes(again, "s") == extend_block_hashes([], again, 4, "s")
+    assert memo.hashes(grown, "s") == extend_block_hashes([], grown, 4, "s")

@@ -59,3 +59,21 @@ def test_an_active_sessions_unselected_history_outlives_an_idle_sessions_blocks(
     assert held(eng, "a-next", a) == 24
     assert held(eng, "s-next", s) < 20  # the idle session paid for it
 
+
+
+def test_a_sessions_shared_history_is_the_longest_common_prefix_of_its_hashes():
+    import random
+
+    from vllm_sekv.workspace.sessions import _common_prefix
+
+    rng = random.Random(2)
+    for _ in range(300):
+        old = [bytes([rng.randrange(3)]) for _ in range(rng.randrange(0, 60))]
+        new = list(old)
+        if new and rng.random() < 0.7:
+            new[rng.randrange(len(new))] = b"x"
+        new = new[:rng.randrange(0, len(new) + 1)] + [bytes([rng.randrange(3)]) for _ in range(rng.randrange(0, 9))]
+        naive = 0
+        while naive < min(len(old), len(new)) and old[naive] == new[naive]:
+            naive += 1
+        assert _common_prefix(old, new) == naive

@@ -36,6 +36,7 @@ Single-threaded: owned by the scheduler-side connector.
 from __future__ import annotations
 
 import enum
+import operator
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
@@ -351,3 +352,12 @@ class BlockCatalog:
             rec.pins -= 1
             if rec.pins < 0:
                 raise ValueError(f"block at host slot {rec.host_slot} unpinned more often than pinned")
+
+    def repin(self, old: list[BlockRecord], new: list[BlockRecord]) -> None:
+        """`unpin(old)` and `pin(new)`, leaving alone the records both start
+        with (a request matched again for its next view pass: its whole
+        history, 32K records at 1M tokens)."""
+        n = min(len(old), len(new))
+        shared = n if all(map(operator.is_, old[:n], new[:n])) else 0
+        self.unpin(old[shared:])
+        self.pin(new[shared:])

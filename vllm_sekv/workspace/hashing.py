@@ -134,15 +134,21 @@ class PrefixHashMemo:
         full = len(token_ids) // bt * bt
         entry = self._entries.pop((tenant, key), None)
         out: list[bytes] = []
+        kept = None  # the memo's own copy of the tokens: callers may rewrite their list
         if entry is not None and isinstance(token_ids, list):  # its tokens are whole blocks, one hash each
             self._tokens -= len(entry[0])
             old_tokens, old_hashes = entry
-            out = old_hashes[: _shared_blocks(old_tokens, token_ids, min(len(old_tokens), full), bt)]
+            shared = _shared_blocks(old_tokens, token_ids, min(len(old_tokens), full), bt)
+            out = old_hashes[:shared]
+            if shared * bt == len(old_tokens):  # the sequence grew: extend the copy (at 1M tokens a new one is ~4 ms)
+                kept = old_tokens
+                kept.extend(token_ids[len(kept):full])
         elif entry is not None:  # other sequence types: no reuse
             self._tokens -= len(entry[0])
         extend_block_hashes(out, token_ids, bt, tenant)
         if 0 < full <= self.capacity_tokens:  # nothing to reuse without a whole block
-            kept = token_ids[:full]  # a copy: callers may rewrite their list
+            if kept is None:
+                kept = token_ids[:full]
             self._entries[(tenant, key)] = (kept if isinstance(kept, list) else list(kept), out)
             self._tokens += full
             while self._tokens > self.capacity_tokens or len(self._entries) > self.max_entries:

@@ -137,11 +137,13 @@ class WorkspacePlanner:
     def _promote(self, held: list[BlockRecord], st: RequestState) -> tuple[int, bool]:
         """(leading blocks of `held` that are or will be on the host, whether
         reads from NVMe or the remote tier are still running for some)."""
-        self.catalog.pin(held)  # promotions must not evict the blocks before them
-        usable, reading = 0, False
+        usable, reading, pinned = 0, False, False
         try:
             for rec in held:
                 if rec.host_slot is None:
+                    if not pinned:  # promotions must not evict the blocks before them
+                        self.catalog.pin(held)
+                        pinned = True
                     if not self.catalog.promote(rec):
                         break
                     self.transfers.queue_read(rec)
@@ -149,7 +151,7 @@ class WorkspacePlanner:
                 reading = reading or rec.loading
                 usable += 1
         finally:
-            self.catalog.unpin(held)
+            self.catalog.unpin(held if pinned else ())
             self.catalog.drop_unpromoted(held[usable:])
         return usable, reading
 
@@ -174,9 +176,7 @@ class WorkspacePlanner:
         if num_external_tokens <= 0:
             return
         bt = self.block_tokens
-        positions = np.arange(
-            st.match_end_tokens - num_external_tokens, st.match_end_tokens, dtype=np.int64
-        )
+        positions = np.arange(st.match_end_tokens - num_external_tokens, st.match_end_tokens, dtype=np.int64)
         host_rows, deltas, blocks = st.view_sources(positions, self.block_tokens)
         st.pending_restore = RestoreOp(
             req_id, np.zeros(0, np.int64), host_rows, deltas if deltas.any() else None,
@@ -202,11 +202,11 @@ class WorkspacePlanner:
         the request's views; None while blocks of them are read from NVMe."""
         st = self._state(req_id, prompt_token_ids, tenant, session_id)
         self._hash_prompt(st, prompt_token_ids)
-        self.catalog.unpin(st.waiting_pins + st.held_pins)
+        pinned = st.waiting_pins + st.held_pins  # kept while promotions run, then re-pinned as matched
         st.waiting_pins, st.held_pins = [], []
         held = self._held(st, 0)
         usable, reading = self._promote(held, st)
-        self.catalog.pin(held[:usable])
+        self.catalog.repin(pinned, held[:usable])
         if reading:
             st.waiting_pins = held[:usable]
             return None

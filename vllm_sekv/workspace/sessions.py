@@ -72,7 +72,8 @@ class SessionTable:
                 ws.num_forks += 1
                 room = self.max_forked_blocks - len(ws.forked)
                 ws.forked.update(ws.block_hashes[shared : shared + max(room, 0)])
-            ws.forked.difference_update(hashes)
+            if ws.forked:
+                ws.forked.difference_update(hashes)
         ws.block_hashes = list(hashes)
         ws.num_tokens = num_tokens
         ws.last_used_s = time.time()
@@ -93,9 +94,17 @@ class SessionTable:
 
 
 def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading hashes `a` and `b` share. A session's next history
+    most often extends its last one: one list comparison, then (where they
+    part) a binary search whose comparisons halve."""
+    n = min(len(a), len(b))
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):
+        return n
+    lo, hi = 0, n  # the first lo are shared, the first hi are not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
