@@ -407,8 +407,8 @@ class WorkspacePlanner:
             st.skip_blocks.add(block)  # someone already holds it
             return None
         rec = None if st.capture_broken else self.catalog.reserve(start_token=block * bt, tenant=st.tenant)
-        if rec is None:  # every host slot is held: this block and the later ones are not kept (the
-            st.capture_broken = True  # forward writes a block's KV once; a capture reads it then or never)
+        if rec is None:  # every host slot is held: this block and the request's later ones are not kept
+            st.capture_broken = True
             st.skip_blocks.add(block)
             st.unkept.add(block)
             return None

@@ -42,7 +42,9 @@ class RequestState:
     captures: dict[int, BlockRecord] = field(default_factory=dict)  # block index -> reserved
     skip_blocks: set[int] = field(default_factory=set)  # not ours to capture
     capture_broken: bool = False  # the host tier had no slot to give up: stop reserving
-    unkept: set[int] = field(default_factory=set)  # blocks it computed after that, not kept
+    # Blocks it computed from then on: not kept (the forward writes a block's
+    # KV once, and a capture reads it then or never).
+    unkept: set[int] = field(default_factory=set)
     finished: bool = False
     # Blocks pinned until the request ends: the blocks it committed itself
     # (never victims of its own later captures while it runs), and for
