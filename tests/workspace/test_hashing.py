@@ -89,7 +89,7 @@ def test_the_memo_keeps_a_copy_and_stays_within_its_capacity():
 def test_shared_blocks_is_the_longest_whole_block_common_prefix():
     import random
 
-    from vllm_sekv.workspace.hashing import _shared_blocks
+    from vllm_sekv.workspace.hashing import shared_blocks
 
     rng = random.Random(1)
     for _ in range(300):
@@ -104,7 +104,7 @@ def test_shared_blocks_is_the_longest_whole_block_common_prefix():
         naive = 0
         while naive < n // bt and old[naive * bt:(naive + 1) * bt] == new[naive * bt:(naive + 1) * bt]:
             naive += 1
-        assert _shared_blocks(old, new, n, bt) == naive
+        assert shared_blocks(old, new, n, bt) == naive
 
 
 def test_joined_tokens_read_like_the_concatenated_list():

@@ -79,7 +79,7 @@ class JoinedTokens(Sequence[int]):
         return self.head[index] if index < h else self.tail[index - h]
 
 
-def _shared_blocks(old: list[int], new: list[int], n: int, block_tokens: int) -> int:
+def shared_blocks(old: list[int], new: list[int], n: int, block_tokens: int) -> int:
     """How many whole blocks the first `n` tokens of `old` and `new` share
     (`n`: a multiple of `block_tokens`, at most either length). The usual
     case (the prompt grew) costs one list comparison; a prompt that differs
@@ -138,7 +138,7 @@ class PrefixHashMemo:
         if entry is not None and isinstance(token_ids, list):  # its tokens are whole blocks, one hash each
             self._tokens -= len(entry[0])
             old_tokens, old_hashes = entry
-            shared = _shared_blocks(old_tokens, token_ids, min(len(old_tokens), full), bt)
+            shared = shared_blocks(old_tokens, token_ids, min(len(old_tokens), full), bt)
             out = old_hashes[:shared]
             if shared * bt == len(old_tokens):  # the sequence grew: extend the copy (at 1M tokens a new one is ~4 ms)
                 kept = old_tokens

@@ -21,6 +21,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from vllm_sekv.workspace.hashing import shared_blocks
+
 
 @dataclass
 class Workspace:
@@ -94,17 +96,5 @@ class SessionTable:
 
 
 def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
-    """How many leading hashes `a` and `b` share. A session's next history
-    most often extends its last one: one list comparison, then (where they
-    part) a binary search whose comparisons halve."""
-    n = min(len(a), len(b))
-    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):
-        return n
-    lo, hi = 0, n  # the first lo are shared, the first hi are not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    """How many leading hashes `a` and `b` share (a grown history: one list comparison)."""
+    return shared_blocks(a, b, min(len(a), len(b)), 1)
