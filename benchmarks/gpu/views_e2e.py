@@ -325,6 +325,13 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         lines += ["", f"Plain vLLM{run}, {plain['context_tokens'] // 1024}K context: cold TTFT "
                   f"{plain['cold_ttft_s']:.3f} s, warm TTFT {plain['warm_ttft_s']:.3f} s, GPU memory allocated "
                   f"{plain['memory']['allocated_gib']:.2f} GiB."]
+    for r in sekv:
+        params = (r["steps"][-1].get("kv_transfer_params") or {}).get("sekv", {})
+        if params.get("unkept_tokens"):
+            lines += ["", f"{r['engine']} at {r['session_tokens'] // 1024}K: the host tier was full, so each step "
+                      f"prefilled {params.get('prefilled_tokens')} tokens, against {2 * NEW_TOKENS} for a view whose "
+                      f"blocks are all kept ({params['unkept_tokens']} of the step's own tokens found no slot, "
+                      "`unkept_tokens`); a larger `--host-bytes` keeps them."]
     for r in (r for r in sekv if "decode" in r):
         plain = plain_of(rows, r)
         if plain is None or "decode" not in plain:
