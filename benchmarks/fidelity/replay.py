@@ -41,6 +41,14 @@ hold are answered without a GPU:
                     (`answer_blocks`), then the latest history blocks up to
                     this view's size: fragments of the right turns, no
                     others.
+* `lexical-hop`     the first probe's best `--fill-top` blocks (`probe_ranked`),
+                    then the `--hop-blocks` history blocks that share the
+                    rarest tokens with the first probe's best one (BM25 over
+                    token ids, each block scored alone,
+                    `index.lexical.block_scores` with no window), with
+                    `--fill-lines` the rest of the lines their boundaries
+                    cut, then the latest history: a second hop that follows
+                    a line to the name it points to by that name's tokens.
 * `evidence-plus`   `evidence-fill` with `--extra` more of the view's own
                     selected blocks (drawn at random, sink and recent aside)
                     before the latest history: how many fragments of other
@@ -74,6 +82,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
@@ -81,10 +91,11 @@ import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
+from vllm_sekv.index import lexical  # noqa: E402
 from vllm_sekv.workspace.passages import Passages, break_token_ids  # noqa: E402
 from vllm_sekv.workspace.view_passes import choose_blocks  # noqa: E402
 
-VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus")
+VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus", "lexical-hop")
 # Planted fact lines, whole or cut short by the end of a block.
 PLANTED = {
     "multikey": re.compile(r"One of the special magic numbers for [a-z]+-[a-z]+ is: \d+\.?\n?"),
@@ -137,6 +148,15 @@ def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int,
     return choose_blocks(ranked, range(lo, hi), top, hi - lo, context, passages, passage_blocks, lines)
 
 
+def lexical_hop(history: list[int], query_block: int, lo: int, hi: int, n: int, block_tokens: int) -> list[int]:
+    """The `n` blocks in `[lo, hi)` (query block aside) with the best BM25
+    score against the tokens of block `query_block`, each block scored alone."""
+    query = history[query_block * block_tokens:(query_block + 1) * block_tokens]
+    scores = lexical.block_scores(np.asarray(history), query, block_tokens, window_blocks=0)
+    order = [int(b) for b in np.argsort(-scores, kind="stable") if lo <= b < hi and b != query_block]
+    return order[:n]
+
+
 def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: int, seed: str) -> list[int]:
     """`n` of `selected` (its last `recent_blocks` and `best` aside), drawn
     at random; the same for the same `seed`."""
@@ -167,6 +187,8 @@ def variant_label(variant: str, fill_top: int | None, fill_from: str | None, ext
     """The name a variant's trials are stored and reported under."""
     if variant == "evidence-plus":
         return f"{variant}:{extra}"
+    if variant == "lexical-hop":
+        return f"{variant}:top{fill_top}+lex{extra}" + ("+lines" if cut_lines else "")
     if variant != "recency-fill":
         return variant
     if fill_top is None:
@@ -273,6 +295,7 @@ def main() -> None:
     ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
     ap.add_argument("--recent-blocks", type=int, default=8, help="the views' recent window (recent_tokens 256)")
     ap.add_argument("--extra", type=int, default=32, help="evidence-plus: this many other selected blocks")
+    ap.add_argument("--hop-blocks", type=int, default=2, help="lexical-hop: this many blocks of the lexical hop")
     ap.add_argument("--block-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24, help="as the evaluation's servers answered (run.py)")
     ap.add_argument("--out", default=str(H.results_dir("fidelity")))
@@ -281,10 +304,13 @@ def main() -> None:
         ap.error("--method: only a view whose every selected block is recomputed in order replays exactly")
     if "recency-fill" in args.variants and (args.fill_from is None) == (args.fill_top is None):
         ap.error("--variants recency-fill needs one of --fill-from and --fill-top")
+    if "lexical-hop" in args.variants and args.fill_top is None:
+        ap.error("--variants lexical-hop needs --fill-top")
     families = args.families.split(",")
 
     def label(variant: str) -> str:
-        return variant_label(variant, args.fill_top, args.fill_from, args.extra, args.fill_context,
+        return variant_label(variant, args.fill_top, args.fill_from,
+                             args.hop_blocks if variant == "lexical-hop" else args.extra, args.fill_context,
                              args.fill_passages, args.fill_lines)
     for f in families:
         if "no-lookalikes" in args.variants and f not in PLANTED:
@@ -329,6 +355,18 @@ def main() -> None:
             elif variant == "no-lookalikes":
                 ids, note["facts_dropped"] = without_lookalikes(
                     tokenizer, view_ids(prompt, selected, args.block_tokens), family, session.questions[q].evidence)
+            elif variant == "lexical-hop":
+                if not r.get("probe_ranked"):
+                    continue
+                lo, hi = args.sink_blocks, max(selected) + 1 - args.recent_blocks
+                history = prompt[: (max(selected) + 1) * args.block_tokens]
+                first = [b for b in r["probe_ranked"][0] if lo <= b < hi][: args.fill_top]
+                hop = [b for b in lexical_hop(history, first[0], lo, hi, args.hop_blocks + len(first),
+                                              args.block_tokens) if b not in first][: args.hop_blocks]
+                lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None
+                best = [b for b in selected if b < args.sink_blocks] + top_blocks(
+                    first + hop, len(first) + len(hop), 0, lo, hi, None, 0, lines)
+                ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
             elif variant in ("evidence-fill", "evidence-plus"):
                 if not r.get("answer_blocks"):
                     continue

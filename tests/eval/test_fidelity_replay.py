@@ -151,3 +151,14 @@ def test_the_evidence_rank_is_how_far_down_the_ranking_its_last_block_sits(repla
     (row,) = replay.evidence_ranks(trials + [{**trials[0], "variant": "other"}])  # a question counts once
     assert row["n"] == 4 and row["within"] == {"16": 1, "32": 1, "64": 2, "128": 3}
     assert row["within_selection"] == 3 and row["ranks"] == [3, 40, 100]
+
+
+def test_the_lexical_hop_follows_the_query_blocks_rare_tokens_and_never_returns_it(replay):
+    bt = 4
+    history = [7] * (bt * 20)  # a common token everywhere
+    history[5 * bt:6 * bt] = [7, 901, 902, 7]  # the query block: two rare tokens
+    history[12 * bt:13 * bt] = [902, 7, 7, 7]  # shares one of them
+    history[15 * bt:16 * bt] = [901, 902, 7, 7]  # shares both
+    assert replay.lexical_hop(history, 5, 2, 18, 2, bt) == [15, 12]
+    assert replay.lexical_hop(history, 5, 2, 14, 1, bt) == [12]  # only candidates in [lo, hi)
+    assert replay.variant_label("lexical-hop", 1, None, 2, cut_lines=True) == "lexical-hop:top1+lex2+lines"

@@ -26,6 +26,15 @@ def test_the_passage_with_the_querys_rare_terms_scores_highest_and_its_neighbour
     assert scores[20] > 3 * scores[far].max()  # a common term alone scores little
 
 
+def test_without_a_window_only_the_blocks_holding_the_terms_score():
+    tokens = history_with(passage_at=20)
+    scores = lexical.block_scores(tokens, [901, 906], BT, window_blocks=0)  # 901 in block 20, 906 in 21
+    assert scores[20] > 0 and scores[21] > 0
+    assert not np.delete(scores, [20, 21]).any()  # neighbours share nothing of it
+    windowed = lexical.block_scores(tokens, [901, 906], BT)
+    assert windowed[19] > 0 and np.allclose(windowed[20] - scores[20], windowed[19])
+
+
 def test_no_query_term_in_the_history_scores_zero_and_partial_blocks_are_left_out():
     tokens = history_with(passage_at=5)
     assert not lexical.block_scores(tokens, [1, 2, 3], BT).any()

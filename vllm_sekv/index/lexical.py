@@ -26,11 +26,14 @@ K1 = 1.2  # BM25 term-frequency saturation
 RRF_K = 60  # reciprocal-rank constant of `fuse` (as in reciprocal-rank fusion)
 
 
-def block_scores(history: np.ndarray, query: Sequence[int], block_tokens: int) -> np.ndarray:
+def block_scores(history: np.ndarray, query: Sequence[int], block_tokens: int,
+                 window_blocks: int = WINDOW_BLOCKS) -> np.ndarray:
     """BM25 score of each whole block of `history` (token ids, virtual order)
     against the token ids `query` (duplicates count once): the block's own
-    plus its window's (WINDOW_BLOCKS blocks around it). Returns float64
-    `[len(history) // block_tokens]`; 0 where no query term occurs nearby."""
+    plus its window's (`window_blocks` blocks around it; 0: the block's own
+    only, so that a query taken from one block does not lift that block's
+    neighbours). Returns float64 `[len(history) // block_tokens]`; 0 where
+    no query term occurs nearby."""
     num_blocks = len(history) // block_tokens
     terms = np.unique(np.asarray(query, dtype=np.int64))
     if num_blocks == 0 or len(terms) == 0:
@@ -41,10 +44,12 @@ def block_scores(history: np.ndarray, query: Sequence[int], block_tokens: int) -
     np.add.at(counts, (hit // block_tokens, np.searchsorted(terms, tokens[hit])), 1.0)
     df = (counts > 0).sum(axis=0)
     idf = np.log1p((num_blocks - df + 0.5) / (df + 0.5))
-    # Window sums: rows [b - WINDOW_BLOCKS // 2, b + WINDOW_BLOCKS - WINDOW_BLOCKS // 2).
+    if window_blocks == 0:
+        return _bm25(counts, idf)
+    # Window sums: rows [b - window_blocks // 2, b + window_blocks - window_blocks // 2).
     cumulative = np.vstack([np.zeros((1, len(terms))), np.cumsum(counts, axis=0)])
-    lo = np.clip(np.arange(num_blocks) - WINDOW_BLOCKS // 2, 0, num_blocks)
-    hi = np.clip(lo + WINDOW_BLOCKS, 0, num_blocks)
+    lo = np.clip(np.arange(num_blocks) - window_blocks // 2, 0, num_blocks)
+    hi = np.clip(lo + window_blocks, 0, num_blocks)
     window = cumulative[hi] - cumulative[lo]
     return _bm25(counts, idf) + _bm25(window, idf)
 

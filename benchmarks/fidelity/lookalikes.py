@@ -1,0 +1,130 @@
+"""Where a view's ranking puts the look-alikes of the asked fact: offline,
+from a run's trial lines and the sessions regenerated (no engine, no GPU).
+
+For every `vartrack` trial of a views method that recorded its rankings
+(`ranked_blocks`, the selection's order; `probe_ranked`, each probe's best
+candidates): the blocks of the asked chain's lines (the question's
+evidence) and of the session's other planted lines (look-alikes: the same
+`VAR ABCDE = ...` template, other names), found in the history before the
+step's question; the rank of each in the selection's and in each probe's
+ranking; how many look-alike blocks the served view held; and where a
+lexical hop ranks the chain's other blocks: BM25 over token ids against the
+first probe's best block, each block scored alone
+(`index.lexical.block_scores` with no window), the second hop that
+`replay.py --variants lexical-hop` replays.
+
+    python benchmarks/fidelity/lookalikes.py --model QWEN_DIR --runs RUN.jsonl \\
+        --method views-rerank-rh-hop3-sel16-psg8-rcall-ord:8192 [--out benchmarks/results/fidelity]
+
+Writes `lookalikes.json` (one row per trial and a summary) and
+`lookalikes.md` (headed by machine, commit and command) into `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import report_header as H  # noqa: E402
+import sessions as S  # noqa: E402
+from corpora import Corpora  # noqa: E402
+from replay import PLANTED, lexical_hop  # noqa: E402
+from report import read_trials  # noqa: E402
+
+
+def ranks(ranking: list[int], blocks: set[int]) -> list[int]:
+    """1-based ranks of those of `blocks` that `ranking` (best first) holds."""
+    return sorted(ranking.index(b) + 1 for b in blocks if b in ranking)
+
+
+def planted_blocks(tokenizer, prompt: list[int], evidence: list[str], block_tokens: int) -> tuple[set, set]:
+    """(blocks of the asked chain's lines, blocks of the other planted lines
+    and of no chain line) in the history before the step's last user turn."""
+    text = tokenizer.decode(prompt)
+    end = text.rfind("<|im_start|>user")
+    chain, other = set(), set()
+    for m in PLANTED["vartrack"].finditer(text, 0, end if end >= 0 else len(text)):
+        fact = m.group(0).rstrip("\n")
+        first = S.token_at(tokenizer, prompt, m.start()) // block_tokens
+        last = S.token_at(tokenizer, prompt, m.end() - 1) // block_tokens
+        asked = any(e.startswith(fact) or fact.startswith(e) for e in evidence)
+        (chain if asked else other).update(range(first, last + 1))
+    return chain, other - chain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the evaluated model's folder (its tokenizer)")
+    ap.add_argument("--runs", nargs="+", required=True)
+    ap.add_argument("--method", required=True, help="a views method whose trials recorded probe_ranked")
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--sink-blocks", type=int, default=2)
+    ap.add_argument("--recent-blocks", type=int, default=8)
+    ap.add_argument("--block-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(H.results_dir("fidelity")))
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    corpora, sessions, rows = Corpora(), {}, []
+    bt = args.block_tokens
+    for (family, length, seed, q, method), r in sorted(read_trials(args.runs).items()):
+        if family != "vartrack" or length != args.length or method != args.method or not r.get("probe_ranked"):
+            continue
+        if seed not in sessions:
+            sessions[seed] = S.generate(family, length, seed, tokenizer, corpora)
+        prompt = S.render_ids(tokenizer, sessions[seed].step_messages(q))
+        chain, other = planted_blocks(tokenizer, prompt, sessions[seed].questions[q].evidence, bt)
+        lo, hi = args.sink_blocks, max(r["selected_blocks"]) + 1 - args.recent_blocks
+        other = {b for b in other if lo <= b < hi}
+        first = [b for b in r["probe_ranked"][0] if lo <= b < hi][0]
+        history = prompt[: hi * bt]
+        hop = lexical_hop(history, first, lo, hi, hi - lo, bt)
+        rows.append({"seed": seed, "question": q, "correct": r["correct"], "chain_blocks": sorted(chain),
+                     "lookalike_blocks": len(other), "lookalikes_in_view": len(other & set(r["selected_blocks"])),
+                     "chain_ranks": ranks(r["ranked_blocks"], chain), "lookalike_ranks": ranks(r["ranked_blocks"], other),
+                     "probe_chain_ranks": [ranks(p, chain) for p in r["probe_ranked"]],
+                     "probe_lookalike_ranks": [ranks(p, other)[:8] for p in r["probe_ranked"]],
+                     "first_probe_best_in_chain": first in chain,
+                     "lexical_hop_chain_ranks": ranks(hop, chain - {first})})
+    outranked = [r for r in rows if r["chain_ranks"] and r["lookalike_ranks"]
+                 and min(r["lookalike_ranks"]) < max(r["chain_ranks"])]
+    hop_first = [r for r in rows if r["first_probe_best_in_chain"] and r["lexical_hop_chain_ranks"]
+                 and r["lexical_hop_chain_ranks"][0] == 1]
+    summary = {"n": len(rows),
+               "lookalikes_in_view_median": statistics.median(r["lookalikes_in_view"] for r in rows),
+               "lookalike_outranks_a_chain_block": len(outranked),
+               "best_lookalike_rank_median": statistics.median(min(r["lookalike_ranks"]) for r in rows
+                                                               if r["lookalike_ranks"]),
+               "first_probe_best_in_chain": sum(r["first_probe_best_in_chain"] for r in rows),
+               "lexical_hop_ranks_another_chain_block_first": len(hop_first)}
+    meta = H.meta(H.command(__file__))
+    out = Path(args.out)
+    (out / "lookalikes.json").write_text(json.dumps({"meta": meta, "summary": summary, "trials": rows}, indent=1))
+    lines = H.header_from(meta, f"Fidelity: where the ranking puts the look-alikes (`vartrack`, `{args.method}`)") + [
+        f"{summary['n']} questions. The served views held {summary['lookalikes_in_view_median']} look-alike "
+        f"blocks at the median; a look-alike outranked a block of the asked chain in the selection's ranking in "
+        f"{summary['lookalike_outranks_a_chain_block']} (the best look-alike at rank "
+        f"{summary['best_lookalike_rank_median']} at the median). The first probe's best block was a line of the "
+        f"asked chain in {summary['first_probe_best_in_chain']}; in {summary['lexical_hop_ranks_another_chain_block_first']} "
+        "of those the lexical hop from it ranked another block of the chain first.", "",
+        "| seed | question | correct | chain blocks | look-alikes in view | chain ranks | look-alike ranks | "
+        "first probe: chain / look-alikes | second probe: chain / look-alikes | lexical hop: chain |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pc, pl = r["probe_chain_ranks"], r["probe_lookalike_ranks"]
+        lines.append(f"| {r['seed']} | {r['question']} | {'yes' if r['correct'] else 'no'} | {r['chain_blocks']} | "
+                     f"{r['lookalikes_in_view']} of {r['lookalike_blocks']} | {r['chain_ranks']} | "
+                     f"{r['lookalike_ranks']} | {pc[0]} / {pl[0][:4]} | {pc[1] if len(pc) > 1 else '-'} / "
+                     f"{pl[1][:4] if len(pl) > 1 else '-'} | {r['lexical_hop_chain_ranks'][:3]} |")
+    H.write_report(out / "lookalikes.md", lines)
+    print("\n".join(lines[:12]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
