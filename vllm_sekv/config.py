@@ -250,6 +250,11 @@ class SekvConfig:
     # blocks it lifts over the hops before it (`view_passes.interleave_hops`):
     # 0 (each hop by its own ranking) to 1 (by the lift alone).
     probe_hop_gain: float = 0.0
+    # "on": a lexical hop after the first probe, interleaved with the probes'
+    # rankings as one more hop: every candidate block scored alone by BM25
+    # over token ids against the first probe's best block (`index.lexical.
+    # hop_scores`), which finds the line a line names among look-alikes.
+    probe_lexical_hop: str = "off"
     # Of a view's selected history blocks, the first this many in the order
     # the view chose them (best score first) are computed afresh inside the
     # view instead of restored (0 = restore all). Restored KV carries the
@@ -310,6 +315,7 @@ class SekvConfig:
     _FLOATS = ("anchor_alpha", "lexical_weight", "probe_hop_gain")
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "view_cut_lines": ON_OFF, "nvme_sync": ON_OFF,
+                "probe_lexical_hop": ON_OFF,
                 "recompute_layout": RECOMPUTE_LAYOUTS, "workspace_codec": WORKSPACE_CODECS}
 
     def __post_init__(self) -> None:

@@ -67,6 +67,8 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank-rh": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS)},
     # and BM25's best 256 blocks re-ranked beside the index's best 1024 over those heads
     "views-rerank-rh-lexc": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS), "lexical_candidates": 256},
+    # a lexical hop from the first probe's best block among the hops (`probe_lexical_hop`)
+    "views-rerank-rh-lexhop": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS), "probe_lexical_hop": "on"},
     # fewer selected blocks, the rest of an 8K view the latest history (as the oracle fills its
     # room): about 120 and 28 selected blocks next to 4K and 7K recent tokens. A history is ingested
     # in chunks of that room too: about 33 and 136 passes for 131072 tokens, against 17
@@ -153,6 +155,13 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     # the best 16 with passages, BM25's candidates among those the heads re-rank (the ranking is what is left)
     "views-rerank-rh-lexc-hop2-sel16-psg8-rcall-ord": ("views-rerank-rh-lexc", {
         "view_select_blocks": 16, "probe_hops": 2, "view_passage_blocks": 8, "recompute_blocks": 100000,
+        "recompute_layout": "in_order"}),
+    # the first probe's best block and the lexical hop's best, their cut lines, then the latest history;
+    # and the lexical hop beside three probes in the best view so far
+    "views-rerank-rh-lexhop-sel2-lines-rcall-ord": ("views-rerank-rh-lexhop", {
+        "view_select_blocks": 2, "view_cut_lines": True, "recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    "views-rerank-rh-lexhop-hop3-sel16-psg8-rcall-ord": ("views-rerank-rh-lexhop", {
+        "view_select_blocks": 16, "probe_hops": 3, "view_passage_blocks": 8, "recompute_blocks": 100000,
         "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),

@@ -65,3 +65,15 @@ def test_a_view_selected_by_fused_scores_holds_the_passage_the_index_ranked_last
     lex = lexical.block_scores(tokens, prompt[probe.tail_start:], BT)[list(probe.candidates)]
     fused = final_pass(probe, lexical.fuse(index, lex, 1.0).tolist(), budget)
     assert {30, 31} <= set(fused.history_blocks)
+
+
+def test_a_lexical_hop_ranks_the_block_sharing_the_query_blocks_rare_terms_and_never_the_query_block():
+    tokens = np.random.default_rng(1).integers(100, 110, 64 * BT)
+    tokens[10 * BT:11 * BT] = [900, 901, 100, 101]  # the query block: two rare terms
+    tokens[40 * BT:41 * BT] = [901, 900, 102, 103]  # the block it points to, far away
+    tokens[11 * BT:12 * BT] = [100, 101, 102, 103]  # its neighbour shares common terms only
+    candidates = list(range(2, 60))
+    scores = lexical.hop_scores(tokens, 10, candidates, BT)
+    assert scores.shape == (58,) and scores[candidates.index(10)] == -np.inf
+    assert candidates[int(np.argmax(scores))] == 40
+    assert scores[candidates.index(40)] > 3 * scores[candidates.index(11)]

@@ -26,14 +26,17 @@ BT, HISTORY_BLOCKS = 16, 60
 SEKV = dict(block_tokens=BT, view_tokens=12 * BT, sink_tokens=BT, recent_tokens=2 * BT)
 
 
-def coordinator(break_tokens=None, **sekv) -> tuple[ViewCoordinator, list[int]]:
-    """A coordinator whose workspace holds a 60-block history, and a prompt of
-    that history and 4 new tokens."""
+def coordinator(break_tokens=None, edits=None, **sekv) -> tuple[ViewCoordinator, list[int]]:
+    """A coordinator whose workspace holds a 60-block history (with `edits`,
+    token position -> id, made to it), and a prompt of that history and 4
+    new tokens."""
     catalog = BlockCatalog(HISTORY_BLOCKS + 8, LRUPolicy())
     planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
     views = ViewCoordinator(SekvConfig(**SEKV, **sekv), planner, tenant_of=str, window_tokens=4096,
                             capacity_tokens=4096, break_tokens=break_tokens)
     history = (np.arange(HISTORY_BLOCKS * BT) % 97 + 1000).tolist()
+    for at, token in (edits or {}).items():
+        history[at] = token
     for b, h in enumerate(extend_block_hashes([], history, BT, "")):
         catalog.commit(catalog.reserve(start_token=b * BT), h)
     return views, history + [7, 8, 9, 10]
@@ -225,3 +228,30 @@ def test_a_servers_cut_lines_load_the_breaks_at_start_up_and_a_request_may_turn_
         coordinator(view_cut_lines="on")  # no tokenizer to find breaks with
     with pytest.raises(ValueError, match="'view_cut_lines'"):
         SekvConfig.from_sources({"view_cut_lines": "yes"})
+
+
+# Block 11: a line naming another (two rare tokens, then words found nowhere else), which block 33 holds far
+# from it; block 40 shares one of the two.
+NAMES = {11 * BT + i: 60000 + i for i in range(BT)} | {11 * BT: 50001, 11 * BT + 1: 50002, 33 * BT + 5: 50002,
+                                                         33 * BT + 6: 50001, 40 * BT: 50001}
+
+
+def test_a_lexical_hop_follows_the_first_probes_best_block_to_the_block_sharing_its_rare_tokens():
+    views, prompt = coordinator(edits=NAMES, probe_lexical_hop="on", view_select_blocks=2)
+    scores = np.zeros(57)
+    scores[[10, 20, 21]] = [3.0, 2.0, 1.0]  # the probe: blocks 11, 21, 22 (candidates are blocks 1..57)
+    probe, final = step(views, prompt, [scores])
+    # the probe's best, then the lexical hop's best (33, not 11 itself), then the latest history
+    assert final.ranked == (11, 33)
+    report = views.finish(SimpleNamespace(request_id="r"))
+    assert report["lexical_hop_ranked"][:2] == [33, 40] and 11 not in report["lexical_hop_ranked"][:-1]
+    assert "probe_ranked" not in report  # one probe
+
+
+def test_without_the_lexical_hop_the_view_takes_the_probes_ranking_alone():
+    views, prompt = coordinator(edits=NAMES, view_select_blocks=2)
+    scores = np.zeros(57)
+    scores[[10, 20, 21]] = [3.0, 2.0, 1.0]
+    probe, final = step(views, prompt, [scores])
+    assert final.ranked == (11, 21)
+    assert "lexical_hop_ranked" not in views.finish(SimpleNamespace(request_id="r"))

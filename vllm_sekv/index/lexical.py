@@ -82,3 +82,18 @@ def fuse(index_scores: Sequence[float], lexical_scores: Sequence[float], weight:
     fused = 1.0 / (RRF_K + _ranks(index_scores))
     best = lexical_scores.max(initial=0.0)
     return fused + (weight / RRF_K) * lexical_scores / best if best > 0 else fused
+
+
+def hop_scores(history: np.ndarray, query_block: int, candidates: Sequence[int], block_tokens: int) -> np.ndarray:
+    """A lexical hop from one block: the BM25 score of each of `candidates`
+    (block indices of `history`) scored alone against the token ids of
+    block `query_block` (no window, so the query block's own neighbours gain
+    nothing from it); the query block itself scores -inf. A line that names
+    another (`VAR X = VAR Y`) shares that name's rare tokens with the line it
+    points to (`VAR Y = 42`) and little else, where attention over the keys
+    rates every line of the same template alike. Float64 `[len(candidates)]`."""
+    query = np.asarray(history[query_block * block_tokens:(query_block + 1) * block_tokens])
+    candidates = np.asarray(candidates, dtype=np.int64)
+    scores = block_scores(history, query, block_tokens, window_blocks=0)[candidates]
+    scores[candidates == query_block] = -np.inf
+    return scores

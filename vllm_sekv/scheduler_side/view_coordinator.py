@@ -56,6 +56,7 @@ class ViewJob:
     probe: ViewPass | None = None  # the last probe run (every hop scores the same candidates)
     scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
+    lexical_hop: np.ndarray | None = None  # the lexical hop's scores (`probe_lexical_hop`), after the first probe
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
     hop_gain: float = 0.0  # how a later hop favours what it lifts (`interleave_hops`; likewise)
     context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
@@ -313,10 +314,12 @@ class ViewCoordinator:
         return view
 
     def _selection_scores(self, job: ViewJob) -> np.ndarray:
-        """The finished probes' candidate scores (their hops interleaved),
-        fused with the candidates' lexical scores against the new tokens
-        where `lexical_weight` is set."""
-        scores = interleave_hops(job.hop_scores, job.hop_gain)
+        """The finished probes' candidate scores (their hops interleaved, the
+        lexical hop after the first), fused with the candidates' lexical
+        scores against the new tokens where `lexical_weight` is set."""
+        hops = job.hop_scores if job.lexical_hop is None else [job.hop_scores[0], job.lexical_hop,
+                                                                 *job.hop_scores[1:]]
+        scores = interleave_hops(hops, job.hop_gain)
         if not self.config.lexical_weight:
             return scores
         return lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
@@ -414,6 +417,11 @@ class ViewCoordinator:
             job.probe = job.current
             job.hop_scores.append(job.scores)
             job.scores = None
+            if len(job.hop_scores) == 1 and self.config.probe_lexical_hop == "on":
+                candidates = job.probe.candidates
+                best = candidates[rank_order(job.hop_scores[0])[0]]
+                history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
+                job.lexical_hop = lexical.hop_scores(history, best, candidates, job.budget.block_tokens)
         job.current = None
         # vLLM looks the request up in its prefix cache before asking for its
         # next pass: the finished pass's blocks (cached under its salt) must not match.
@@ -470,6 +478,9 @@ class ViewCoordinator:
             if len(job.hop_scores) > 1:  # each probe's own best candidates, for what one hop adds to another
                 out["probe_ranked"] = [[job.probe.candidates[i] for i in rank_order(s)[:PROBE_RANKED]]
                                        for s in job.hop_scores]
+            if job.lexical_hop is not None:  # likewise, the lexical hop's
+                out["lexical_hop_ranked"] = [job.probe.candidates[i]
+                                             for i in rank_order(job.lexical_hop)[:PROBE_RANKED]]
             if view.recomputed:
                 out["recomputed_blocks"] = len(view.recomputed)
             if view.anchors:
