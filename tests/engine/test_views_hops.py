@@ -49,3 +49,27 @@ def test_a_second_probe_runs_behind_the_first_ones_view_and_the_final_view_holds
     selected = set(view["selected_blocks"])
     assert fact_blocks(model_dir, prompt, KEEPER) & selected
     assert fact_blocks(model_dir, prompt, LOCKER) & selected
+
+
+@pytest.fixture(scope="module")
+def lexical_session(tmp_path_factory, model_dir, essay):
+    """The same session, one probe and a lexical hop (`probe_lexical_hop`), the view selecting 2 blocks."""
+    tmp = tmp_path_factory.mktemp("lexical-hop")
+    turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:4000] + KEEPER + essay[4000:5000],
+             "\n\nTool output:\n" + essay[5000:6000] + LOCKER + essay[6000:7000],
+             "\n\nTool output:\n" + essay[7000:8000] + QUESTION]
+    spec = {"model": model_dir, "sekv": {**SEKV, "probe_lexical_hop": "on"}, "turns": turns, "max_tokens": 8,
+            "salt": "a", "other_salt": "b", "dtype": "float32", "extra_args": {"view_select_blocks": 2}}
+    return run_runner("session_runner.py", spec, tmp, "sekv-lexical-hop")
+
+
+def test_a_lexical_hop_leads_from_the_first_probes_best_block_to_the_fact_it_names(lexical_session, model_dir):
+    last = lexical_session["steps"][3]
+    view = last["kv_transfer_params"]["sekv"]["view"]
+    prompt = last["prompt_token_ids"]
+    assert [kind for kind, *_ in view["pass_seconds"]] == ["ingest", "probe", "final"]
+    keeper, locker = fact_blocks(model_dir, prompt, KEEPER), fact_blocks(model_dir, prompt, LOCKER)
+    first, hop = view["ranked_blocks"]  # the probe's best, then the hop's best
+    assert first in keeper  # the question names the ledger
+    assert hop in locker and view["lexical_hop_ranked"][0] == hop  # the keeper's name leads to the locker
+    assert not keeper & locker
