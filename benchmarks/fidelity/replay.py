@@ -46,9 +46,11 @@ hold are answered without a GPU:
                     rarest tokens with the first probe's best one (BM25 over
                     token ids, each block scored alone,
                     `index.lexical.block_scores` with no window), with
-                    `--fill-lines` the rest of the lines their boundaries
-                    cut, then the latest history: a second hop that follows
-                    a line to the name it points to by that name's tokens.
+                    `--fill-passages P` each with its passage where that
+                    spans at most P blocks, with `--fill-lines` the rest of
+                    the lines their boundaries cut, then the latest history:
+                    a second hop that follows a line to the name it points
+                    to by that name's tokens.
 * `evidence-plus`   `evidence-fill` with `--extra` more of the view's own
                     selected blocks (drawn at random, sink and recent aside)
                     before the latest history: how many fragments of other
@@ -188,7 +190,8 @@ def variant_label(variant: str, fill_top: int | None, fill_from: str | None, ext
     if variant == "evidence-plus":
         return f"{variant}:{extra}"
     if variant == "lexical-hop":
-        return f"{variant}:top{fill_top}+lex{extra}" + ("+lines" if cut_lines else "")
+        return f"{variant}:top{fill_top}+lex{extra}" + (f"+psg{passage_blocks}" if passage_blocks else "") + \
+            ("+lines" if cut_lines else "")
     if variant != "recency-fill":
         return variant
     if fill_top is None:
@@ -363,9 +366,10 @@ def main() -> None:
                 first = [b for b in r["probe_ranked"][0] if lo <= b < hi][: args.fill_top]
                 hop = [b for b in lexical_hop(history, first[0], lo, hi, args.hop_blocks + len(first),
                                               args.block_tokens) if b not in first][: args.hop_blocks]
+                passages = Passages(history, breaks, args.block_tokens) if args.fill_passages else None
                 lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None
-                best = [b for b in selected if b < args.sink_blocks] + top_blocks(
-                    first + hop, len(first) + len(hop), 0, lo, hi, None, 0, lines)
+                best = [b for b in selected if b < args.sink_blocks] + top_blocks(  # each with its passage whole
+                    first + hop, hi - lo, 0, lo, hi, passages, args.fill_passages, lines)
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
             elif variant in ("evidence-fill", "evidence-plus"):
                 if not r.get("answer_blocks"):
