@@ -125,8 +125,9 @@ def test_redis_faults_cost_only_recomputation(fleet, model_dir, essay, plain_ans
         blocker = None
         if fault == "wrong values":  # every record replaced by another block's (valid) record
             keys = client.keys("sekv:b:*")
-            for key in keys[1:]:
-                client.set(key, client.get(keys[0]))
+            records = [client.get(key) for key in keys]
+            for key, record in zip(keys, records[1:] + records[:1]):  # none keeps its own
+                client.set(key, record)
         elif fault == "flushed":
             client.flushall()
         elif fault == "slow":  # Redis blocked while the step is served: lookups and reads time out
