@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parent))
 import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
-from replay import PLANTED, lexical_hop  # noqa: E402
+from replay import PLANTED, is_evidence, lexical_hop  # noqa: E402
 from report import read_trials  # noqa: E402
 
 
@@ -52,8 +52,7 @@ def planted_blocks(tokenizer, prompt: list[int], evidence: list[str], block_toke
         fact = m.group(0).rstrip("\n")
         first = S.token_at(tokenizer, prompt, m.start()) // block_tokens
         last = S.token_at(tokenizer, prompt, m.end() - 1) // block_tokens
-        asked = any(e.startswith(fact) or fact.startswith(e) for e in evidence)
-        (chain if asked else other).update(range(first, last + 1))
+        (chain if is_evidence(fact, evidence) else other).update(range(first, last + 1))
     return chain, other - chain
 
 

@@ -153,10 +153,9 @@ def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int,
 def lexical_hop(history: list[int], query_block: int, lo: int, hi: int, n: int, block_tokens: int) -> list[int]:
     """The `n` blocks in `[lo, hi)` (query block aside) with the best BM25
     score against the tokens of block `query_block`, each block scored alone."""
-    query = history[query_block * block_tokens:(query_block + 1) * block_tokens]
-    scores = lexical.block_scores(np.asarray(history), query, block_tokens, window_blocks=0)
-    order = [int(b) for b in np.argsort(-scores, kind="stable") if lo <= b < hi and b != query_block]
-    return order[:n]
+    candidates = np.arange(lo, hi)
+    scores = lexical.hop_scores(np.asarray(history), query_block, candidates, block_tokens)  # its own: -inf
+    return [int(candidates[i]) for i in np.argsort(-scores, kind="stable") if candidates[i] != query_block][:n]
 
 
 def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: int, seed: str) -> list[int]:
@@ -164,6 +163,11 @@ def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: in
     at random; the same for the same `seed`."""
     pool = sorted(set(sorted(selected)[:-recent_blocks]) - set(best))
     return sorted(random.Random(seed).sample(pool, min(n, len(pool))))
+
+
+def is_evidence(fact: str, evidence: list[str]) -> bool:
+    """Whether a planted fact's line (whole, or cut short by a block's end) is one of the question's evidence."""
+    return any(e.startswith(fact) or fact.startswith(e) for e in evidence)
 
 
 def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[str]) -> tuple[list[int], int]:
@@ -176,7 +180,7 @@ def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[st
     drop = []
     for m in PLANTED[family].finditer(text, 0, end if end >= 0 else len(text)):
         fact = m.group(0).rstrip("\n")
-        if not any(e.startswith(fact) or fact.startswith(e) for e in evidence):
+        if not is_evidence(fact, evidence):
             drop.append((m.start(), m.end()))
     gone: set[int] = set()
     for a, b in drop:

@@ -21,13 +21,17 @@ LOCKER = " Okonkwo Adebayo's locker combination is 7319. "
 QUESTION = "\n\nQuestion: what is the locker combination of the warden who keeps the Zanzibar quarry ledger?\nAnswer:"
 
 
+def turns(essay: str) -> list[str]:
+    """The session's four turns: an essay, the keeper's tool output, the locker's, the question."""
+    return [essay[:3000], "\n\nTool output:\n" + essay[3000:4000] + KEEPER + essay[4000:5000],
+            "\n\nTool output:\n" + essay[5000:6000] + LOCKER + essay[6000:7000],
+            "\n\nTool output:\n" + essay[7000:8000] + QUESTION]
+
+
 @pytest.fixture(scope="module")
 def session(tmp_path_factory, model_dir, essay):
     tmp = tmp_path_factory.mktemp("probe-hops")
-    turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:4000] + KEEPER + essay[4000:5000],
-             "\n\nTool output:\n" + essay[5000:6000] + LOCKER + essay[6000:7000],
-             "\n\nTool output:\n" + essay[7000:8000] + QUESTION]
-    spec = {"model": model_dir, "sekv": SEKV, "turns": turns, "max_tokens": 8, "salt": "a",
+    spec = {"model": model_dir, "sekv": SEKV, "turns": turns(essay), "max_tokens": 8, "salt": "a",
             "other_salt": "b", "dtype": "float32", "extra_args": {"probe_hops": 2}}
     return run_runner("session_runner.py", spec, tmp, "sekv-probe-hops")
 
@@ -55,10 +59,7 @@ def test_a_second_probe_runs_behind_the_first_ones_view_and_the_final_view_holds
 def lexical_session(tmp_path_factory, model_dir, essay):
     """The same session, one probe and a lexical hop (`probe_lexical_hop`), the view selecting 2 blocks."""
     tmp = tmp_path_factory.mktemp("lexical-hop")
-    turns = [essay[:3000], "\n\nTool output:\n" + essay[3000:4000] + KEEPER + essay[4000:5000],
-             "\n\nTool output:\n" + essay[5000:6000] + LOCKER + essay[6000:7000],
-             "\n\nTool output:\n" + essay[7000:8000] + QUESTION]
-    spec = {"model": model_dir, "sekv": {**SEKV, "probe_lexical_hop": "on"}, "turns": turns, "max_tokens": 8,
+    spec = {"model": model_dir, "sekv": {**SEKV, "probe_lexical_hop": "on"}, "turns": turns(essay), "max_tokens": 8,
             "salt": "a", "other_salt": "b", "dtype": "float32", "extra_args": {"view_select_blocks": 2}}
     return run_runner("session_runner.py", spec, tmp, "sekv-lexical-hop")
 
