@@ -82,6 +82,7 @@ INDEX_SUMMARIES = (
     "sub4_post", "sub8_post", "mean_post", "minmax_post", *SURPRISAL_SUMMARIES,
 )
 ON_OFF = ("off", "on")
+LOOKALIKES = ("keep", "drop")
 WORKSPACE_CODECS = ("exact", "fp8")
 # `restore_codec` value: each block at the rank its zoom-router tier gives it.
 ROUTER_CODEC = "router"
@@ -208,6 +209,10 @@ class SekvConfig:
     # `view_select_blocks`; loads the tokenizer at start-up to find the
     # line breaks.
     view_cut_lines: str = "off"
+    # "drop": a view leaves out the look-alikes of the first probe's best
+    # block (`index.lookalikes`: its template, none of its or the new tokens'
+    # rare tokens: another chain's `VAR Z = VAR W`); "keep": ranked as any.
+    view_lookalikes: str = "keep"
     # Token-level re-rank of a probe's best candidates (0 = off): the index's
     # `rerank_blocks` highest-scoring blocks are scored again by the probe
     # queries' attention over their actual keys (from the host tier, each
@@ -315,7 +320,7 @@ class SekvConfig:
     _FLOATS = ("anchor_alpha", "lexical_weight", "probe_hop_gain")
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "view_cut_lines": ON_OFF, "nvme_sync": ON_OFF,
-                "probe_lexical_hop": ON_OFF,
+                "probe_lexical_hop": ON_OFF, "view_lookalikes": LOOKALIKES,
                 "recompute_layout": RECOMPUTE_LAYOUTS, "workspace_codec": WORKSPACE_CODECS}
 
     def __post_init__(self) -> None:
@@ -334,9 +339,7 @@ class SekvConfig:
             if not 0 <= getattr(self, key) <= 100:
                 raise ValueError(f"sekv config '{key}': expected 0..100 (0: no share), got {getattr(self, key)}")
         if not 1 <= self.nvme_io_threads <= 256:
-            raise ValueError(
-                f"sekv config 'nvme_io_threads': expected 1..256, got {self.nvme_io_threads}"
-            )
+            raise ValueError(f"sekv config 'nvme_io_threads': expected 1..256, got {self.nvme_io_threads}")
         for key in ("sink_tokens", "recent_tokens"):
             n = getattr(self, key)
             if n < 0 or n % bt:
@@ -384,9 +387,7 @@ class SekvConfig:
             raise ValueError("sekv config 'resident_bytes': the resident pool serves batched restores; "
                              "set 'restore_mode' to auto or batched, or resident_bytes to 0")
         if self.min_restore_tokens < 0:
-            raise ValueError(
-                f"sekv config 'min_restore_tokens': must not be negative, got {self.min_restore_tokens}"
-            )
+            raise ValueError(f"sekv config 'min_restore_tokens': must not be negative, got {self.min_restore_tokens}")
         if self.coarse == "on" and self.surprisal != "on":
             raise ValueError("sekv config 'coarse': summaries are surprisal-weighted and follow "
                              "surprisal segments; set 'surprisal' to on")

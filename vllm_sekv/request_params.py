@@ -5,9 +5,10 @@ coarse attention off, or choose how many selected blocks a view recomputes
 (`recompute_blocks`, `recompute_layout`), how many probes select them
 (`probe_hops`, `probe_hop_gain`) and how many neighbours each brings (`view_context_blocks`)
 or whether its passage (`view_passage_blocks`), at most how many blocks
-a view selects (`view_select_blocks`) and whether they complete the lines
+a view selects (`view_select_blocks`), whether they complete the lines
 their boundaries cut (`view_cut_lines`: true or false, where the config key
-says on or off) for one request (the config keys of
+says on or off) and whether look-alikes stay (`view_lookalikes`: keep or
+drop) for one request (the config keys of
 the same names), in `kv_transfer_params` (or `vllm_xargs`, vLLM's
 `extra_args`), and on vLLM 0.32 in its own `session_id` field:
 
@@ -27,10 +28,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from vllm_sekv.config import MAX_PROBE_HOPS, MAX_VIEW_PASSAGE_BLOCKS, RECOMPUTE_LAYOUTS, SekvConfig
+from vllm_sekv.config import LOOKALIKES, MAX_PROBE_HOPS, MAX_VIEW_PASSAGE_BLOCKS, RECOMPUTE_LAYOUTS, SekvConfig
 
 KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops",
-        "probe_hop_gain", "view_context_blocks", "view_passage_blocks", "view_select_blocks", "view_cut_lines")
+        "probe_hop_gain", "view_context_blocks", "view_passage_blocks", "view_select_blocks", "view_cut_lines",
+        "view_lookalikes")
 MAX_SESSION_ID_CHARS = 256
 MAX_VIEW_CONTEXT_BLOCKS = 16
 
@@ -78,6 +80,7 @@ class RequestParams:
     view_select_blocks: int | None = None  # None: the server's setting; 0: no limit
     view_cut_lines: bool | None = None  # None: the server's setting
     probe_hop_gain: float | None = None  # None: the server's setting
+    view_lookalikes: str | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -128,6 +131,9 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
     lines_field, lines = given("view_cut_lines")
     if lines is not None and not isinstance(lines, bool):
         raise RequestParamError(f"{lines_field}: expected true or false, got {lines!r:.80}")
+    lookalikes_field, lookalikes = given("view_lookalikes")
+    if lookalikes is not None and lookalikes not in LOOKALIKES:
+        raise RequestParamError(f"{lookalikes_field}: expected one of {', '.join(LOOKALIKES)}, got {lookalikes!r:.80}")
     layout_field, layout = given("recompute_layout")
     if layout is not None and layout not in RECOMPUTE_LAYOUTS:
         raise RequestParamError(f"{layout_field}: expected one of {', '.join(RECOMPUTE_LAYOUTS)}, got {layout!r:.80}")
@@ -148,7 +154,7 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
         raise RequestParamError(f"{given('view_passage_blocks')[0]}: a selected block brings either its "
                                 f"passage or view_context_blocks neighbours; send one of them")
     return RequestParams(sid, view, coarse, recompute, layout, hops, context, passage, select, lines,
-                         None if gain is None else float(gain))
+                         None if gain is None else float(gain), lookalikes)
 
 
 def of_request(request: Any) -> "RequestParams":

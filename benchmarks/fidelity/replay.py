@@ -51,6 +51,14 @@ hold are answered without a GPU:
                     the lines their boundaries cut, then the latest history:
                     a second hop that follows a line to the name it points
                     to by that name's tokens.
+* `drop-lookalikes` the probes' rankings taken in turn (`probe_ranked`; with
+                    `--hop-blocks` > 0 the lexical hop from the first probe's
+                    best block as the second, as `probe_lexical_hop` takes
+                    it), the look-alikes of that block left out
+                    (`index.lookalikes`, as `view_lookalikes` drop leaves
+                    them), then the first `--fill-top` blocks with
+                    `--fill-passages` and `--fill-lines` as in
+                    `recency-fill`, then the latest history.
 * `evidence-plus`   `evidence-fill` with `--extra` more of the view's own
                     selected blocks (drawn at random, sink and recent aside)
                     before the latest history: how many fragments of other
@@ -94,10 +102,12 @@ import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
 from vllm_sekv.index import lexical  # noqa: E402
+from vllm_sekv.index.lookalikes import lookalike_mask  # noqa: E402
 from vllm_sekv.workspace.passages import Passages, break_token_ids  # noqa: E402
 from vllm_sekv.workspace.view_passes import choose_blocks  # noqa: E402
 
-VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus", "lexical-hop")
+VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus", "lexical-hop",
+            "drop-lookalikes")
 # Planted fact lines, whole or cut short by the end of a block.
 PLANTED = {
     "multikey": re.compile(r"One of the special magic numbers for [a-z]+-[a-z]+ is: \d+\.?\n?"),
@@ -158,6 +168,30 @@ def lexical_hop(history: list[int], query_block: int, lo: int, hi: int, n: int, 
     return [int(candidates[i]) for i in np.argsort(-scores, kind="stable") if candidates[i] != query_block][:n]
 
 
+def in_turn(rankings: list[list[int]]) -> list[int]:
+    """The rankings' blocks taken in turn (the first's best, the second's
+    best, ..., then each one's second), each at its first place: how a view
+    interleaves its hops (`view_passes.interleave_hops` with no gain)."""
+    out: dict[int, None] = {}
+    for i in range(max(map(len, rankings), default=0)):
+        for ranking in rankings:
+            if i < len(ranking):
+                out.setdefault(ranking[i])
+    return list(out)
+
+
+def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], anchor: int, lo: int, hi: int,
+                          block_tokens: int) -> list[int]:
+    """`ranked` (blocks in `[lo, hi)`, best first) without the look-alikes of
+    block `anchor` (`index.lookalikes.lookalike_mask` over every block in
+    `[lo, hi)` as candidates, those of `ranked` first in its order)."""
+    candidates = list(range(lo, hi))
+    first = [b - lo for b in ranked]
+    order = first + sorted(set(range(hi - lo)) - set(first))
+    mask = lookalike_mask(np.asarray(history), candidates, order, anchor, query, block_tokens)
+    return [b for b in ranked if not mask[b - lo]]
+
+
 def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: int, seed: str) -> list[int]:
     """`n` of `selected` (its last `recent_blocks` and `best` aside), drawn
     at random; the same for the same `seed`."""
@@ -193,6 +227,9 @@ def variant_label(variant: str, fill_top: int | None, fill_from: str | None, ext
     """The name a variant's trials are stored and reported under."""
     if variant == "evidence-plus":
         return f"{variant}:{extra}"
+    if variant == "drop-lookalikes":
+        return f"{variant}:top{fill_top}" + ("+lexhop" if extra else "") + \
+            (f"+psg{passage_blocks}" if passage_blocks else "") + ("+lines" if cut_lines else "")
     if variant == "lexical-hop":
         return f"{variant}:top{fill_top}+lex{extra}" + (f"+psg{passage_blocks}" if passage_blocks else "") + \
             ("+lines" if cut_lines else "")
@@ -302,7 +339,8 @@ def main() -> None:
     ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
     ap.add_argument("--recent-blocks", type=int, default=8, help="the views' recent window (recent_tokens 256)")
     ap.add_argument("--extra", type=int, default=32, help="evidence-plus: this many other selected blocks")
-    ap.add_argument("--hop-blocks", type=int, default=2, help="lexical-hop: this many blocks of the lexical hop")
+    ap.add_argument("--hop-blocks", type=int, default=2, help="lexical-hop: this many blocks of the lexical hop; drop-lookalikes: "
+                         "0 for the probes' rankings alone, else the lexical hop's among them")
     ap.add_argument("--block-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24, help="as the evaluation's servers answered (run.py)")
     ap.add_argument("--out", default=str(H.results_dir("fidelity")))
@@ -311,13 +349,14 @@ def main() -> None:
         ap.error("--method: only a view whose every selected block is recomputed in order replays exactly")
     if "recency-fill" in args.variants and (args.fill_from is None) == (args.fill_top is None):
         ap.error("--variants recency-fill needs one of --fill-from and --fill-top")
-    if "lexical-hop" in args.variants and args.fill_top is None:
-        ap.error("--variants lexical-hop needs --fill-top")
+    for needs_top in ("lexical-hop", "drop-lookalikes"):
+        if needs_top in args.variants and args.fill_top is None:
+            ap.error(f"--variants {needs_top} needs --fill-top")
     families = args.families.split(",")
 
     def label(variant: str) -> str:
         return variant_label(variant, args.fill_top, args.fill_from,
-                             args.hop_blocks if variant == "lexical-hop" else args.extra, args.fill_context,
+                             args.hop_blocks if variant in ("lexical-hop", "drop-lookalikes") else args.extra, args.fill_context,
                              args.fill_passages, args.fill_lines)
     for f in families:
         if "no-lookalikes" in args.variants and f not in PLANTED:
@@ -374,6 +413,23 @@ def main() -> None:
                 lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None
                 best = [b for b in selected if b < args.sink_blocks] + top_blocks(  # each with its passage whole
                     first + hop, hi - lo, 0, lo, hi, passages, args.fill_passages, lines)
+                ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
+            elif variant == "drop-lookalikes":
+                if not r.get("probe_ranked"):
+                    continue
+                lo, hi = args.sink_blocks, max(selected) + 1 - args.recent_blocks
+                end = (max(selected) + 1) * args.block_tokens
+                history = prompt[:end]
+                probes = [[b for b in p if lo <= b < hi] for p in r["probe_ranked"]]
+                anchor = probes[0][0]
+                if args.hop_blocks:
+                    probes.insert(1, lexical_hop(history, anchor, lo, hi, len(probes[0]), args.block_tokens))
+                ranked = without_lookalikes_of(history, prompt[end:], in_turn(probes), anchor, lo, hi,
+                                               args.block_tokens)
+                passages = Passages(history, breaks, args.block_tokens) if args.fill_passages else None
+                lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None
+                best = [b for b in selected if b < args.sink_blocks] + top_blocks(
+                    ranked, args.fill_top, 0, lo, hi, passages, args.fill_passages, lines)
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
             elif variant in ("evidence-fill", "evidence-plus"):
                 if not r.get("answer_blocks"):

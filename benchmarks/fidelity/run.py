@@ -163,6 +163,14 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-rh-lexhop-hop3-sel16-psg8-rcall-ord": ("views-rerank-rh-lexhop", {
         "view_select_blocks": 16, "probe_hops": 3, "view_passage_blocks": 8, "recompute_blocks": 100000,
         "recompute_layout": "in_order"}),
+    # the best view so far with its cut lines, the look-alikes of the first probe's best block left out
+    # (`view_lookalikes` drop), with and without the lexical hop among the probes
+    "views-rerank-rh-hop3-sel16-psg8-lines-drop-rcall-ord": ("views-rerank-rh", {
+        "view_select_blocks": 16, "probe_hops": 3, "view_passage_blocks": 8, "view_cut_lines": True,
+        "view_lookalikes": "drop", "recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    "views-rerank-rh-lexhop-hop3-sel16-psg8-lines-drop-rcall-ord": ("views-rerank-rh-lexhop", {
+        "view_select_blocks": 16, "probe_hops": 3, "view_passage_blocks": 8, "view_cut_lines": True,
+        "view_lookalikes": "drop", "recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,
@@ -546,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
             row["ranked_blocks"] = view.get("ranked_blocks")
             if view.get("probe_ranked"):  # each probe hop's own best candidates
                 row["probe_ranked"] = view["probe_ranked"]
+            for key in ("lexical_hop_ranked", "lookalike_blocks"):  # the lexical hop's, what was left out
+                if key in view:
+                    row[key] = view[key]
             row["answer_blocks"] = view.get("answer_blocks")
         with lock:
             with out.open("a") as f:

@@ -12,6 +12,7 @@ import pytest
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
+from vllm_sekv import request_params
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator
 from vllm_sekv.store import LRUPolicy
@@ -26,15 +27,15 @@ BT, HISTORY_BLOCKS = 16, 60
 SEKV = dict(block_tokens=BT, view_tokens=12 * BT, sink_tokens=BT, recent_tokens=2 * BT)
 
 
-def coordinator(break_tokens=None, edits=None, **sekv) -> tuple[ViewCoordinator, list[int]]:
-    """A coordinator whose workspace holds a 60-block history (with `edits`,
-    token position -> id, made to it), and a prompt of that history and 4
-    new tokens."""
-    catalog = BlockCatalog(HISTORY_BLOCKS + 8, LRUPolicy())
+def coordinator(break_tokens=None, edits=None, blocks=HISTORY_BLOCKS, **sekv) -> tuple[ViewCoordinator, list[int]]:
+    """A coordinator whose workspace holds a history of `blocks` blocks (with
+    `edits`, token position -> id, made to it), and a prompt of that history
+    and 4 new tokens."""
+    catalog = BlockCatalog(blocks + 8, LRUPolicy())
     planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
     views = ViewCoordinator(SekvConfig(**SEKV, **sekv), planner, tenant_of=str, window_tokens=4096,
                             capacity_tokens=4096, break_tokens=break_tokens)
-    history = (np.arange(HISTORY_BLOCKS * BT) % 97 + 1000).tolist()
+    history = (np.arange(blocks * BT) % 97 + 1000).tolist()
     for at, token in (edits or {}).items():
         history[at] = token
     for b, h in enumerate(extend_block_hashes([], history, BT, "")):
@@ -255,3 +256,37 @@ def test_without_the_lexical_hop_the_view_takes_the_probes_ranking_alone():
     probe, final = step(views, prompt, [scores])
     assert final.ranked == (11, 21)
     assert "lexical_hop_ranked" not in views.finish(SimpleNamespace(request_id="r"))
+
+
+# In a 600-block history (a template stands out of a long one only), blocks 11, 21, 22 and 33 hold one
+# template (two tokens found nowhere else); block 11 (the first probe's best) and block 33 share a name,
+# blocks 21 and 22 have names of their own: look-alikes.
+LONG = 600
+TEMPLATE = {11 * BT + 2: 50010, 11 * BT + 3: 50011, 21 * BT + 2: 50010, 21 * BT + 3: 50011,
+            22 * BT + 2: 50010, 22 * BT + 3: 50011, 33 * BT + 2: 50010, 33 * BT + 3: 50011,
+            11 * BT + 4: 50001, 33 * BT + 4: 50001, 21 * BT + 4: 50003, 22 * BT + 4: 50004}
+
+
+def template_scores() -> np.ndarray:
+    scores = np.zeros(LONG - 3)
+    scores[[10, 20, 21, 32]] = [4.0, 3.0, 2.0, 1.0]  # blocks 11, 21, 22, 33 (candidates are blocks 1..597)
+    return scores
+
+
+def test_dropping_lookalikes_leaves_the_templates_other_instances_out():
+    views, prompt = coordinator(edits=TEMPLATE, blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
+    probe, final = step(views, prompt, [template_scores()])
+    assert final.ranked == (11, 33)  # 21 and 22 outrank 33, and are left out
+    assert not {21, 22} & set(final.history_blocks)
+    assert views.finish(SimpleNamespace(request_id="r"))["lookalike_blocks"] == 2
+
+
+def test_lookalikes_are_kept_by_default_and_a_request_may_drop_them():
+    views, prompt = coordinator(edits=TEMPLATE, blocks=LONG, view_select_blocks=2)
+    assert step(views, prompt, [template_scores()])[-1].ranked == (11, 21)
+    assert "lookalike_blocks" not in views.finish(SimpleNamespace(request_id="r"))
+    assert step(views, prompt, [template_scores()], view_lookalikes="drop")[-1].ranked == (11, 33)
+    with pytest.raises(ValueError, match="'view_lookalikes'"):
+        SekvConfig.from_sources({"view_lookalikes": "on"})
+    with pytest.raises(request_params.RequestParamError, match="kv_transfer_params.view_lookalikes"):
+        request_params.parse({"view_lookalikes": True})

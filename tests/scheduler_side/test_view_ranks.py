@@ -10,7 +10,7 @@ import torch
 
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator, ViewJob
-from vllm_sekv.workspace.step_plan import LowRankBlock
+from vllm_sekv.workspace.step_plan import LowRankBlock, lowrank_blocks
 from vllm_sekv.workspace.segments import Segments
 from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
 
@@ -76,7 +76,7 @@ def test_lowrank_blocks_carry_their_rank_and_surprisal_pieces(routed):
     starts = torch.tensor([0, b * BT + 5, b * BT + 11])  # two segment starts inside block b
     ends = torch.tensor([b * BT + 5, b * BT + 11, 30 * BT])
     segments = Segments(starts, ends, torch.ones(3, dtype=torch.bool))
-    blocks = views._lowrank_blocks(view, segments, ranks)
+    blocks = lowrank_blocks(view.history_blocks, BT, segments, ranks)
     assert set(blocks) == set(ranks)
     assert blocks[b] == LowRankBlock(ranks[b], ((0, 5), (5, 11), (11, BT)))
     assert all(blk.pieces == ((0, BT),) for k, blk in blocks.items() if k != b)

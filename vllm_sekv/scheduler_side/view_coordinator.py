@@ -30,12 +30,13 @@ from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.store.codecs import parse_codec
 from vllm_sekv.workspace.coarse_plan import CoarsePlan, plan_summaries
 from vllm_sekv.workspace.hashing import JoinedTokens
-from vllm_sekv.workspace.step_plan import LowRankBlock
+from vllm_sekv.workspace.step_plan import LowRankBlock, lowrank_blocks
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.passages import BreakTokens, Passages
-from vllm_sekv.workspace.segments import Segments, segment
+from vllm_sekv.workspace.segments import anchors_by_surprisal, segment
 from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
+from vllm_sekv.index.lookalikes import lookalike_mask
 from vllm_sekv.workspace.view_passes import (
     PassKind, ViewBudget, ViewPass, final_pass, first_pass, hop_probe, interleave_hops, rank_order, truncated_pass,
 )
@@ -57,6 +58,9 @@ class ViewJob:
     scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     lexical_hop: np.ndarray | None = None  # the lexical hop's scores (`probe_lexical_hop`), after the first probe
+    anchor: int | None = None  # the first probe's best block: where the lexical hop and the look-alikes start
+    drop_lookalikes: bool = False  # leave the anchor's look-alikes out (server setting, likewise)
+    lookalikes: int = 0  # candidates the last ranking left out as look-alikes
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
     hop_gain: float = 0.0  # how a later hop favours what it lifts (`interleave_hops`; likewise)
     context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
@@ -197,6 +201,7 @@ class ViewCoordinator:
             else params.view_select_blocks
         job.cut_lines = self.config.view_cut_lines == "on" if params.view_cut_lines is None \
             else params.view_cut_lines
+        job.drop_lookalikes = (params.view_lookalikes or self.config.view_lookalikes) == "drop"
         if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
             logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
                            "restores them", job.req_id)
@@ -300,7 +305,7 @@ class ViewCoordinator:
         if surprisal is not None:
             surprisal = surprisal[: job.probe.tail_start]  # the tail is computed in the view
         segments = segment(surprisal, cfg.anchor_alpha) if surprisal is not None and len(surprisal) else None
-        anchors = self._anchors(segments, surprisal) if cfg.anchor_percent else []
+        anchors = anchors_by_surprisal(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
         view = final_pass(job.probe, self._selection_scores(job), budget, job.context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
@@ -310,19 +315,28 @@ class ViewCoordinator:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)
         if cfg.restore_codec != "exact":
-            job.lowrank = self._lowrank_blocks(view, segments, self._block_ranks(job, view))
+            job.lowrank = lowrank_blocks(view.history_blocks, view.block_tokens, segments,
+                                         self._block_ranks(job, view))
         return view
 
     def _selection_scores(self, job: ViewJob) -> np.ndarray:
         """The finished probes' candidate scores (their hops interleaved, the
         lexical hop after the first), fused with the candidates' lexical
-        scores against the new tokens where `lexical_weight` is set."""
+        scores against the new tokens where `lexical_weight` is set; the
+        anchor's look-alikes at -inf where the job drops them."""
         hops = job.hop_scores if job.lexical_hop is None else [job.hop_scores[0], job.lexical_hop,
                                                                  *job.hop_scores[1:]]
         scores = interleave_hops(hops, job.hop_gain)
-        if not self.config.lexical_weight:
-            return scores
-        return lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
+        if self.config.lexical_weight:
+            scores = lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
+        if job.drop_lookalikes and job.anchor is not None:
+            probe = job.probe
+            mask = lookalike_mask(np.asarray(job.prompt[: probe.tail_start], dtype=np.int64), probe.candidates,
+                                  rank_order(scores), job.anchor, job.prompt[probe.tail_start:],
+                                  job.budget.block_tokens)
+            scores = np.where(mask, -np.inf, scores)
+            job.lookalikes = int(mask.sum())
+        return scores
 
     def _with_lexical_candidates(self, job: ViewJob, view: ViewPass) -> ViewPass:
         """A probe with the `lexical_candidates` candidates that BM25 ranks
@@ -359,34 +373,6 @@ class ViewCoordinator:
         held = set(view.history_blocks)
         return {b: r for b, r in zip(job.probe.candidates, job.ranks.tolist()) if r > 0 and b in held}
 
-    @staticmethod
-    def _anchors(segments: Segments | None, surprisal: np.ndarray | None) -> list[int]:
-        """SeKV anchors of the history (virtual positions), the most surprising
-        first; none without recorded surprisal."""
-        if segments is None:
-            return []
-        anchors = segments.anchors.numpy()
-        anchors = anchors[anchors > 0]  # token 0 is an anchor by definition, and in the sink
-        order = np.argsort(-np.nan_to_num(surprisal[anchors], nan=0.0), kind="stable")
-        return anchors[order].tolist()
-
-    @staticmethod
-    def _lowrank_blocks(view: ViewPass, segments: Segments | None,
-                        ranks: dict[int, int]) -> dict[int, LowRankBlock]:
-        """The view's history blocks that `ranks` rates, each with its rank and
-        its pieces: surprisal segments cut at the block's edges (the whole block
-        without surprisal)."""
-        bt = view.block_tokens
-        starts = segments.starts.numpy() if segments is not None else np.zeros(0, np.int64)
-        out = {}
-        for b in view.history_blocks:
-            if b not in ranks:
-                continue
-            inner = starts[(starts > b * bt) & (starts < (b + 1) * bt)] - b * bt
-            edges = [0, *inner.tolist(), bt]
-            out[b] = LowRankBlock(ranks[b], tuple(zip(edges[:-1], edges[1:])))
-        return out
-
     def max_new_tokens(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
         """Stop a non-sampling pass one token short of its end (the sentinel)."""
         job = self.jobs.get(request.request_id)
@@ -417,11 +403,12 @@ class ViewCoordinator:
             job.probe = job.current
             job.hop_scores.append(job.scores)
             job.scores = None
-            if len(job.hop_scores) == 1 and self.config.probe_lexical_hop == "on":
-                candidates = job.probe.candidates
-                best = candidates[rank_order(job.hop_scores[0])[0]]
-                history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
-                job.lexical_hop = lexical.hop_scores(history, best, candidates, job.budget.block_tokens)
+            candidates = job.probe.candidates
+            if len(job.hop_scores) == 1 and candidates:
+                job.anchor = candidates[rank_order(job.hop_scores[0])[0]]
+                if self.config.probe_lexical_hop == "on":
+                    history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
+                    job.lexical_hop = lexical.hop_scores(history, job.anchor, candidates, job.budget.block_tokens)
         job.current = None
         # vLLM looks the request up in its prefix cache before asking for its
         # next pass: the finished pass's blocks (cached under its salt) must not match.
@@ -481,6 +468,8 @@ class ViewCoordinator:
             if job.lexical_hop is not None:  # likewise, the lexical hop's
                 out["lexical_hop_ranked"] = [job.probe.candidates[i]
                                              for i in rank_order(job.lexical_hop)[:PROBE_RANKED]]
+            if job.drop_lookalikes:
+                out["lookalike_blocks"] = job.lookalikes
             if view.recomputed:
                 out["recomputed_blocks"] = len(view.recomputed)
             if view.anchors:

@@ -316,3 +316,14 @@ def block_anchor_mask(segments: Segments, block_tokens: int, num_blocks: Optiona
     anchors = segments.anchors
     mask[anchors[anchors < num_blocks * bt]] = True
     return mask.reshape(num_blocks, bt)
+
+
+def anchors_by_surprisal(segments: Segments | None, surprisal: np.ndarray | None) -> list[int]:
+    """The history's anchors (virtual positions) but token 0, the most
+    surprising first; none without segments (no recorded surprisal)."""
+    if segments is None:
+        return []
+    anchors = segments.anchors.numpy()
+    anchors = anchors[anchors > 0]  # token 0 is an anchor by definition, and in the sink
+    order = np.argsort(-np.nan_to_num(surprisal[anchors], nan=0.0), kind="stable")
+    return anchors[order].tolist()

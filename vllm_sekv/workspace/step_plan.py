@@ -7,8 +7,12 @@ vLLM's paged cache are `block_id * paged_block_size + offset`; host rows are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vllm_sekv.workspace.segments import Segments
 
 
 def _empty() -> np.ndarray:
@@ -23,6 +27,23 @@ class LowRankBlock:
 
     rank: int
     pieces: tuple[tuple[int, int], ...]
+
+
+def lowrank_blocks(history_blocks: Iterable[int], block_tokens: int, segments: Segments | None,
+                   ranks: dict[int, int]) -> dict[int, LowRankBlock]:
+    """Those of a view's `history_blocks` that `ranks` rates, each with its
+    rank and its pieces: the surprisal `segments` cut at the block's edges
+    (the whole block without surprisal)."""
+    bt = block_tokens
+    starts = segments.starts.numpy() if segments is not None else np.zeros(0, np.int64)
+    out = {}
+    for b in history_blocks:
+        if b not in ranks:
+            continue
+        inner = starts[(starts > b * bt) & (starts < (b + 1) * bt)] - b * bt
+        edges = [0, *inner.tolist(), bt]
+        out[b] = LowRankBlock(ranks[b], tuple(zip(edges[:-1], edges[1:])))
+    return out
 
 
 @dataclass

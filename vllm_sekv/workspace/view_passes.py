@@ -294,6 +294,9 @@ def final_pass(
     most `passage_blocks` blocks (`Passages.around`): a paragraph or a
     document whole, as far as the room goes.
 
+    A candidate scored -inf is never selected (a look-alike the job drops,
+    `index.lookalikes`); the latest history may still hold it.
+
     `select_blocks` > 0: the selection stops at that many blocks (a block's
     neighbours or passage count); the room it leaves holds the latest history
     before the recent window, as a prompt cut to its end would. 0: the
@@ -332,7 +335,7 @@ def final_pass(
     anchor_room = max(0, min(anchor_tokens, (room - 1) * bt)) if anchors else 0
     room -= -(-anchor_room // bt)
     candidates = set(probe.candidates)
-    ranked = rank_order(scores).tolist()
+    ranked = [i for i in rank_order(scores).tolist() if scores[i] != -np.inf]
     limit = min(room, select_blocks) if select_blocks > 0 else room
     chosen = dict.fromkeys(choose_blocks((probe.candidates[i] for i in ranked), candidates, limit, room,
                                          context_blocks, passages, passage_blocks, lines))  # in the order chosen

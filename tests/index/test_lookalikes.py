@@ -1,0 +1,80 @@
+"""Look-alikes (`index.lookalikes`): a template's other instances are left
+out, the asked chain and prose are not."""
+import numpy as np
+
+from vllm_sekv.index.lookalikes import lookalike_mask
+
+BT = 8
+VAR, EQ = 7, 8  # the template's tokens: in the planted lines only
+PROSE = np.arange(1000, 1040)  # words every block holds some of
+rng = np.random.default_rng(0)
+
+
+def history(lines: dict[int, list[int]], num_blocks: int = 1000) -> np.ndarray:
+    """Prose blocks; block b starts with `lines[b]` where given."""
+    tokens = rng.choice(PROSE, size=(num_blocks, BT))
+    for b, line in lines.items():
+        tokens[b, : len(line)] = line
+    return tokens.reshape(-1)
+
+
+def name(*ids: int) -> list[int]:  # a name: rare subword pieces
+    return list(ids)
+
+
+# The asked chain: "VAR AB = VAR CD" (found first) and "VAR CD = 42"; two
+# other chains in the same template; a block naming the asked chain's end.
+A, C, E, G, K = name(101, 102), name(103, 104), name(105, 106), name(107, 108), name(109, 110)
+LINES = {
+    50: [VAR, *A, EQ, VAR, *C],  # the anchor
+    90: [VAR, *C, EQ, 42],  # the chain's value line
+    120: [VAR, *E, EQ, VAR, *G],  # look-alikes
+    200: [VAR, *G, EQ, 77],
+    260: [VAR, *K, EQ, 5],
+}
+
+
+def test_other_instances_of_the_template_are_lookalikes():
+    h = history(LINES)
+    candidates = list(range(2, 990))
+    ranked = [50, 120, 200, 90, 260, 3, 4, 5]
+    order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
+    mask = lookalike_mask(h, candidates, order, anchor=50, query=[2000, VAR, *A], block_tokens=BT)
+    dropped = {b for b, m in zip(candidates, mask) if m}
+    assert dropped == {120, 200, 260}  # not the anchor, not the value line (it shares C), no prose
+
+
+def test_a_block_the_question_names_is_kept():
+    h = history(LINES)
+    candidates = list(range(2, 990))
+    ranked = [50, 120, 200, 90, 260]
+    order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
+    mask = lookalike_mask(h, candidates, order, anchor=50, query=[VAR, *K], block_tokens=BT)
+    assert {b for b, m in zip(candidates, mask) if m} == {120, 200}  # K's line is asked about too
+
+
+def test_without_a_template_nothing_is_a_lookalike():
+    h = history({50: [301, 302], 51: [303], 90: [304]})  # a paragraph's rare words, no repeated template
+    candidates = list(range(2, 990))
+    order = [candidates.index(b) for b in (50, 51, 90, 3, 4)]
+    order += [i for i in range(len(candidates)) if i not in order]
+    mask = lookalike_mask(h, candidates, order, anchor=50, query=[301, 2000], block_tokens=BT)
+    assert not mask.any()
+
+
+def test_in_a_short_history_no_template_stands_out():
+    h = history(LINES, num_blocks=300)  # the template's share of the top can be at most 300 / 32 times its own
+    candidates = list(range(2, 290))
+    order = [candidates.index(b) for b in (50, 120, 200, 90, 260)]
+    order += [i for i in range(len(candidates)) if i not in order]
+    assert not lookalike_mask(h, candidates, order, anchor=50, query=[VAR, *A], block_tokens=BT).any()
+
+
+def test_inputs_are_left_alone_and_empty_inputs_give_empty_masks():
+    h = history(LINES)
+    before = h.copy()
+    candidates = list(range(2, 990))
+    lookalike_mask(h, candidates, list(range(len(candidates))), 50, [VAR], BT)
+    assert np.array_equal(h, before)
+    assert lookalike_mask(h, [], [], 50, [VAR], BT).shape == (0,)
+    assert lookalike_mask(h[:3], [0], [0], 0, [VAR], BT).tolist() == [False]
