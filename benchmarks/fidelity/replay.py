@@ -180,15 +180,15 @@ def in_turn(rankings: list[list[int]]) -> list[int]:
     return list(out)
 
 
-def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], anchor: int, lo: int, hi: int,
+def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], lead: int, lo: int, hi: int,
                           block_tokens: int) -> list[int]:
     """`ranked` (blocks in `[lo, hi)`, best first) without the look-alikes of
-    block `anchor` (`index.lookalikes.lookalike_mask` over every block in
+    block `lead` (`index.lookalikes.lookalike_mask` over every block in
     `[lo, hi)` as candidates, those of `ranked` first in its order)."""
     candidates = list(range(lo, hi))
     first = [b - lo for b in ranked]
     order = first + sorted(set(range(hi - lo)) - set(first))
-    mask = lookalike_mask(np.asarray(history), candidates, order, anchor, query, block_tokens)
+    mask = lookalike_mask(np.asarray(history), candidates, order, lead, query, block_tokens)
     return [b for b in ranked if not mask[b - lo]]
 
 
@@ -421,10 +421,10 @@ def main() -> None:
                 end = (max(selected) + 1) * args.block_tokens
                 history = prompt[:end]
                 probes = [[b for b in p if lo <= b < hi] for p in r["probe_ranked"]]
-                anchor = probes[0][0]
+                lead = probes[0][0]
                 if args.hop_blocks:
-                    probes.insert(1, lexical_hop(history, anchor, lo, hi, len(probes[0]), args.block_tokens))
-                ranked = without_lookalikes_of(history, prompt[end:], in_turn(probes), anchor, lo, hi,
+                    probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), args.block_tokens))
+                ranked = without_lookalikes_of(history, prompt[end:], in_turn(probes), lead, lo, hi,
                                                args.block_tokens)
                 passages = Passages(history, breaks, args.block_tokens) if args.fill_passages else None
                 lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None

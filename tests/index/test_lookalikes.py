@@ -26,7 +26,7 @@ def name(*ids: int) -> list[int]:  # a name: rare subword pieces
 # other chains in the same template; a block naming the asked chain's end.
 A, C, E, G, K = name(101, 102), name(103, 104), name(105, 106), name(107, 108), name(109, 110)
 LINES = {
-    50: [VAR, *A, EQ, VAR, *C],  # the anchor
+    50: [VAR, *A, EQ, VAR, *C],  # the lead block
     90: [VAR, *C, EQ, 42],  # the chain's value line
     120: [VAR, *E, EQ, VAR, *G],  # look-alikes
     200: [VAR, *G, EQ, 77],
@@ -39,9 +39,9 @@ def test_other_instances_of_the_template_are_lookalikes():
     candidates = list(range(2, 990))
     ranked = [50, 120, 200, 90, 260, 3, 4, 5]
     order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
-    mask = lookalike_mask(h, candidates, order, anchor=50, query=[2000, VAR, *A], block_tokens=BT)
+    mask = lookalike_mask(h, candidates, order, lead=50, query=[2000, VAR, *A], block_tokens=BT)
     dropped = {b for b, m in zip(candidates, mask) if m}
-    assert dropped == {120, 200, 260}  # not the anchor, not the value line (it shares C), no prose
+    assert dropped == {120, 200, 260}  # not the lead block, not the value line (it shares C), no prose
 
 
 def test_a_block_the_question_names_is_kept():
@@ -49,7 +49,7 @@ def test_a_block_the_question_names_is_kept():
     candidates = list(range(2, 990))
     ranked = [50, 120, 200, 90, 260]
     order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
-    mask = lookalike_mask(h, candidates, order, anchor=50, query=[VAR, *K], block_tokens=BT)
+    mask = lookalike_mask(h, candidates, order, lead=50, query=[VAR, *K], block_tokens=BT)
     assert {b for b, m in zip(candidates, mask) if m} == {120, 200}  # K's line is asked about too
 
 
@@ -58,7 +58,7 @@ def test_without_a_template_nothing_is_a_lookalike():
     candidates = list(range(2, 990))
     order = [candidates.index(b) for b in (50, 51, 90, 3, 4)]
     order += [i for i in range(len(candidates)) if i not in order]
-    mask = lookalike_mask(h, candidates, order, anchor=50, query=[301, 2000], block_tokens=BT)
+    mask = lookalike_mask(h, candidates, order, lead=50, query=[301, 2000], block_tokens=BT)
     assert not mask.any()
 
 
@@ -67,7 +67,7 @@ def test_in_a_short_history_no_template_stands_out():
     candidates = list(range(2, 290))
     order = [candidates.index(b) for b in (50, 120, 200, 90, 260)]
     order += [i for i in range(len(candidates)) if i not in order]
-    assert not lookalike_mask(h, candidates, order, anchor=50, query=[VAR, *A], block_tokens=BT).any()
+    assert not lookalike_mask(h, candidates, order, lead=50, query=[VAR, *A], block_tokens=BT).any()
 
 
 def test_inputs_are_left_alone_and_empty_inputs_give_empty_masks():

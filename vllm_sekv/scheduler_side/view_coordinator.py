@@ -58,8 +58,8 @@ class ViewJob:
     scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     lexical_hop: np.ndarray | None = None  # the lexical hop's scores (`probe_lexical_hop`), after the first probe
-    anchor: int | None = None  # the first probe's best block: where the lexical hop and the look-alikes start
-    drop_lookalikes: bool = False  # leave the anchor's look-alikes out (server setting, likewise)
+    lead: int | None = None  # the first probe's best block: where the lexical hop and the look-alikes start
+    drop_lookalikes: bool = False  # leave the lead block's look-alikes out (server setting, likewise)
     lookalikes: int = 0  # candidates the last ranking left out as look-alikes
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
     hop_gain: float = 0.0  # how a later hop favours what it lifts (`interleave_hops`; likewise)
@@ -323,16 +323,16 @@ class ViewCoordinator:
         """The finished probes' candidate scores (their hops interleaved, the
         lexical hop after the first), fused with the candidates' lexical
         scores against the new tokens where `lexical_weight` is set; the
-        anchor's look-alikes at -inf where the job drops them."""
+        lead block's look-alikes at -inf where the job drops them."""
         hops = job.hop_scores if job.lexical_hop is None else [job.hop_scores[0], job.lexical_hop,
                                                                  *job.hop_scores[1:]]
         scores = interleave_hops(hops, job.hop_gain)
         if self.config.lexical_weight:
             scores = lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
-        if job.drop_lookalikes and job.anchor is not None:
+        if job.drop_lookalikes and job.lead is not None:
             probe = job.probe
             mask = lookalike_mask(np.asarray(job.prompt[: probe.tail_start], dtype=np.int64), probe.candidates,
-                                  rank_order(scores), job.anchor, job.prompt[probe.tail_start:],
+                                  rank_order(scores), job.lead, job.prompt[probe.tail_start:],
                                   job.budget.block_tokens)
             scores = np.where(mask, -np.inf, scores)
             job.lookalikes = int(mask.sum())
@@ -405,10 +405,10 @@ class ViewCoordinator:
             job.scores = None
             candidates = job.probe.candidates
             if len(job.hop_scores) == 1 and candidates:
-                job.anchor = candidates[rank_order(job.hop_scores[0])[0]]
+                job.lead = candidates[rank_order(job.hop_scores[0])[0]]
                 if self.config.probe_lexical_hop == "on":
                     history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
-                    job.lexical_hop = lexical.hop_scores(history, job.anchor, candidates, job.budget.block_tokens)
+                    job.lexical_hop = lexical.hop_scores(history, job.lead, candidates, job.budget.block_tokens)
         job.current = None
         # vLLM looks the request up in its prefix cache before asking for its
         # next pass: the finished pass's blocks (cached under its salt) must not match.
