@@ -7,9 +7,11 @@ candidates): the blocks of the asked chain's lines (the question's
 evidence) and of the session's other planted lines (look-alikes: the same
 `VAR ABCDE = ...` template, other names), found in the history before the
 step's question; the rank of each in the selection's and in each probe's
-ranking; how many look-alike blocks the served view held; and where a
-lexical hop ranks the chain's other blocks: BM25 over token ids against the
-first probe's best block, each block scored alone
+ranking; how many look-alike blocks the served view held; whether the lead
+block (`index.lookalikes.lead_block`: of the first probe's best 4, the one
+the question's own rare tokens name) is a line of the asked chain; and where
+a lexical hop ranks the chain's other blocks: BM25 over token ids against
+the first probe's best block, each block scored alone
 (`index.lexical.block_scores` with no window), the second hop that
 `replay.py --variants lexical-hop` replays.
 
@@ -34,6 +36,7 @@ import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from replay import PLANTED, is_evidence, lexical_hop  # noqa: E402
+from vllm_sekv.index.lookalikes import lead_block  # noqa: E402
 from report import read_trials  # noqa: E402
 
 
@@ -81,7 +84,9 @@ def main() -> None:
         chain, other = planted_blocks(tokenizer, prompt, sessions[seed].questions[q].evidence, bt)
         lo, hi = args.sink_blocks, max(r["selected_blocks"]) + 1 - args.recent_blocks
         other = {b for b in other if lo <= b < hi}
-        first = [b for b in r["probe_ranked"][0] if lo <= b < hi][0]
+        best = [b for b in r["probe_ranked"][0] if lo <= b < hi]
+        first, end = best[0], (max(r["selected_blocks"]) + 1) * bt
+        lead = lead_block(prompt[:end], best, prompt[end:], bt)
         history = prompt[: hi * bt]
         hop = lexical_hop(history, first, lo, hi, hi - lo, bt)
         rows.append({"seed": seed, "question": q, "correct": r["correct"], "chain_blocks": sorted(chain),
@@ -89,7 +94,7 @@ def main() -> None:
                      "chain_ranks": ranks(r["ranked_blocks"], chain), "lookalike_ranks": ranks(r["ranked_blocks"], other),
                      "probe_chain_ranks": [ranks(p, chain) for p in r["probe_ranked"]],
                      "probe_lookalike_ranks": [ranks(p, other)[:8] for p in r["probe_ranked"]],
-                     "first_probe_best_in_chain": first in chain,
+                     "first_probe_best_in_chain": first in chain, "lead_block_in_chain": lead in chain,
                      "lexical_hop_chain_ranks": ranks(hop, chain - {first})})
     outranked = [r for r in rows if r["chain_ranks"] and r["lookalike_ranks"]
                  and min(r["lookalike_ranks"]) < max(r["chain_ranks"])]
@@ -101,6 +106,7 @@ def main() -> None:
                "best_lookalike_rank_median": statistics.median(min(r["lookalike_ranks"]) for r in rows
                                                                if r["lookalike_ranks"]),
                "first_probe_best_in_chain": sum(r["first_probe_best_in_chain"] for r in rows),
+               "lead_block_in_chain": sum(r["lead_block_in_chain"] for r in rows),
                "lexical_hop_ranks_another_chain_block_first": len(hop_first)}
     meta = H.meta(H.command(__file__))
     out = Path(args.out)
@@ -110,7 +116,8 @@ def main() -> None:
         f"blocks at the median; a look-alike outranked a block of the asked chain in the selection's ranking in "
         f"{summary['lookalike_outranks_a_chain_block']} (the best look-alike at rank "
         f"{summary['best_lookalike_rank_median']} at the median). The first probe's best block was a line of the "
-        f"asked chain in {summary['first_probe_best_in_chain']}; in {summary['lexical_hop_ranks_another_chain_block_first']} "
+        f"asked chain in {summary['first_probe_best_in_chain']}, the lead block (`index.lookalikes.lead_block`) in "
+        f"{summary['lead_block_in_chain']}; in {summary['lexical_hop_ranks_another_chain_block_first']} "
         "of those the lexical hop from it ranked another block of the chain first.", "",
         "| seed | question | correct | chain blocks | look-alikes in view | chain ranks | look-alike ranks | "
         "first probe: chain / look-alikes | second probe: chain / look-alikes | lexical hop: chain |",

@@ -52,9 +52,10 @@ hold are answered without a GPU:
                     a second hop that follows a line to the name it points
                     to by that name's tokens.
 * `drop-lookalikes` the probes' rankings taken in turn (`probe_ranked`; with
-                    `--hop-blocks` > 0 the lexical hop from the first probe's
-                    best block as the second, as `probe_lexical_hop` takes
-                    it), the look-alikes of that block left out
+                    `--hop-blocks` > 0 the lexical hop from the lead block
+                    (`index.lookalikes.lead_block`) as the second, as
+                    `probe_lexical_hop` takes it), the look-alikes of the
+                    lead block left out
                     (`index.lookalikes`, as `view_lookalikes` drop leaves
                     them), then the first `--fill-top` blocks with
                     `--fill-passages` and `--fill-lines` as in
@@ -102,7 +103,7 @@ import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
 from vllm_sekv.index import lexical  # noqa: E402
-from vllm_sekv.index.lookalikes import lookalike_mask  # noqa: E402
+from vllm_sekv.index.lookalikes import lead_block, lookalike_mask  # noqa: E402
 from vllm_sekv.workspace.passages import Passages, break_token_ids  # noqa: E402
 from vllm_sekv.workspace.view_passes import choose_blocks  # noqa: E402
 
@@ -421,7 +422,7 @@ def main() -> None:
                 end = (max(selected) + 1) * args.block_tokens
                 history = prompt[:end]
                 probes = [[b for b in p if lo <= b < hi] for p in r["probe_ranked"]]
-                lead = probes[0][0]
+                lead = lead_block(history, probes[0], prompt[end:], args.block_tokens)
                 if args.hop_blocks:
                     probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), args.block_tokens))
                 ranked = without_lookalikes_of(history, prompt[end:], in_turn(probes), lead, lo, hi,

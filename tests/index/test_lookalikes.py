@@ -1,8 +1,9 @@
 """Look-alikes (`index.lookalikes`): a template's other instances are left
-out, the asked chain and prose are not."""
+out, the asked chain and prose are not; the lead block is the one the
+question's own rare tokens name."""
 import numpy as np
 
-from vllm_sekv.index.lookalikes import lookalike_mask
+from vllm_sekv.index.lookalikes import LEAD_CANDIDATES, lead_block, lookalike_mask
 
 BT = 8
 VAR, EQ = 7, 8  # the template's tokens: in the planted lines only
@@ -78,3 +79,14 @@ def test_inputs_are_left_alone_and_empty_inputs_give_empty_masks():
     assert np.array_equal(h, before)
     assert lookalike_mask(h, [], [], 50, [VAR], BT).shape == (0,)
     assert lookalike_mask(h[:3], [0], [0], 0, [VAR], BT).tolist() == [False]
+
+
+def test_the_lead_block_is_the_one_the_questions_own_end_names():
+    h = history(LINES)
+    # The new tokens begin with an earlier exchange naming E (block 120's chain), and end with the question,
+    # which names A (block 50's) twice; the first probe ranked block 120 best.
+    query = [VAR, *E, 2000] + [3000 + i for i in range(40)] + [VAR, *A, 2001, VAR, *A]
+    assert lead_block(h, [120, 3, 50], query, BT) == 50
+    assert lead_block(h, [120, 3, 50], query[:3], BT) == 120  # E is the question's, as far as it goes
+    assert lead_block(h, [120, 3], [2000, 2001], BT) == 120  # no rare token: the first probe's best
+    assert lead_block(h, [3, 4, 5, 6, 50][: LEAD_CANDIDATES + 1], [VAR, *A], BT) == 3  # 50 is past the candidates

@@ -281,6 +281,14 @@ def test_dropping_lookalikes_leaves_the_templates_other_instances_out():
     assert views.finish(SimpleNamespace(request_id="r"))["lookalike_blocks"] == 2
 
 
+def test_the_lead_block_is_the_one_the_questions_end_names_not_the_first_probes_best():
+    views, prompt = coordinator(edits=TEMPLATE, blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
+    scores = np.zeros(LONG - 3)
+    scores[[20, 10, 21, 32]] = [4.0, 3.0, 2.0, 1.0]  # block 21 (another name) first, then 11
+    probe, final = step(views, prompt[:-4] + [7, 8, 50001, 50001], [scores])  # the question names 50001
+    assert final.ranked == (11, 33)  # 11 leads: 21 and 22 are its look-alikes
+
+
 def test_lookalikes_are_kept_by_default_and_a_request_may_drop_them():
     views, prompt = coordinator(edits=TEMPLATE, blocks=LONG, view_select_blocks=2)
     assert step(views, prompt, [template_scores()])[-1].ranked == (11, 21)

@@ -9,10 +9,17 @@ reading them answers with the wrong one's value (the oracle's prompt, which
 holds the asked turns only, does not). What tells them apart is a few rare
 tokens (the name), which BM25 over token ids sees and attention does not.
 
-Definitions, over token ids (a term is a token id), for a *lead* block
-(the first probe's best: where the step's question led) and the step's new
-tokens (the *query*):
+Definitions, over token ids (a term is a token id), for the step's new
+tokens (the *query*) and a *lead* block (where the question leads):
 
+* A **rare** token is one that at most `RARE_SHARE` of the history blocks
+  hold, or `RARE_BLOCKS` in a short history (a name, an identifier).
+* The **lead** block is, of the first probe's best `LEAD_CANDIDATES`
+  blocks, the one holding the most of the rare tokens of the query's last
+  `QUESTION_TOKENS` (each counted as often as it occurs there; ties: the
+  better ranked). The query can begin with the previous exchange (an answer
+  naming an earlier question's fact), which the probe's attention follows
+  too; its end is the question's own turn, which names what it asks.
 * The **top** is the ranking's best eighth of the candidates, at most
   `TOP_RANKED`. A token's **history share** is the share of history blocks
   that hold it; its **top share** the share of the top's blocks.
@@ -21,9 +28,8 @@ tokens (the *query*):
   `LIFT` times its history share: the ranking gathers its occurrences
   (`VAR`, `magic`), where a word of the prose or code around them (`the`,
   `def`) is as common everywhere and is not one.
-* A **distinctive token** is a token of the lead block or of the query, not a
-  template token, that at most `RARE_SHARE` of the history blocks hold, or
-  `RARE_BLOCKS` in a short history (a name, an identifier).
+* A **distinctive token** is a rare token of the lead block or of the
+  query that is not a template token.
 * A **look-alike** is a candidate other than the lead block that holds a
   template token and no distinctive token: the template, about something
   the question does not name. Without template tokens (paragraphs of prose,
@@ -41,8 +47,39 @@ import numpy as np
 TOP_RANKED = 32  # at most this many best candidates, whose shared tokens make a template
 TEMPLATE_BLOCKS = 3  # of them must hold a token of the lead block for it to be template
 LIFT = 16  # and its share of them must be this many times its share of the history
-RARE_SHARE = 0.01  # at most this share of the history blocks hold a distinctive token
+RARE_SHARE = 0.01  # at most this share of the history blocks hold a rare token
 RARE_BLOCKS = 4  # or at most this many
+LEAD_CANDIDATES = 4  # the first probe's best blocks the lead block is chosen from
+QUESTION_TOKENS = 32  # the query's last tokens, whose rare tokens choose it
+
+
+def _holding(history: np.ndarray, terms: np.ndarray, block_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(`held[b, t]`: whether whole block b of `history` holds `terms[t]`
+    (sorted, unique), how many blocks hold each term)."""
+    num_blocks = len(history) // block_tokens
+    tokens = np.asarray(history[: num_blocks * block_tokens], dtype=np.int64).reshape(num_blocks, block_tokens)
+    held = np.zeros((num_blocks, len(terms)), dtype=bool)
+    where = np.isin(tokens, terms)
+    held[np.nonzero(where)[0], np.searchsorted(terms, tokens[where])] = True
+    return held, held.sum(axis=0)
+
+
+def _rare(history_count: np.ndarray, num_blocks: int) -> np.ndarray:
+    return history_count <= max(RARE_SHARE * num_blocks, RARE_BLOCKS)
+
+
+def lead_block(history: np.ndarray, best: Sequence[int], query: Sequence[int], block_tokens: int) -> int:
+    """The lead block (see the module's definitions) among `best`, the first
+    probe's best blocks of `history`, best first (non-empty; only the first
+    `LEAD_CANDIDATES` are considered); `query`: the step's new tokens."""
+    best = list(best)[:LEAD_CANDIDATES]
+    terms, counts = np.unique(np.asarray(query[-QUESTION_TOKENS:], dtype=np.int64), return_counts=True)
+    if len(best) == 1 or len(terms) == 0:
+        return best[0]
+    held, history_count = _holding(history, terms, block_tokens)
+    weight = np.where(_rare(history_count, len(held)) & (history_count > 0), counts, 0)
+    scores = held[best].astype(np.int64) @ weight
+    return best[int(np.argmax(scores))]  # the first of the highest: the better ranked
 
 
 def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequence[int], lead: int,
@@ -56,21 +93,16 @@ def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequen
     mask = np.zeros(len(candidates), dtype=bool)
     if num_blocks == 0 or len(candidates) == 0:
         return mask
-    tokens = np.asarray(history[: num_blocks * block_tokens], dtype=np.int64).reshape(num_blocks, block_tokens)
-    lead_terms = np.unique(tokens[lead])
+    lead_terms = np.unique(np.asarray(history[lead * block_tokens:(lead + 1) * block_tokens], dtype=np.int64))
     terms = np.union1d(lead_terms, np.asarray(query, dtype=np.int64))
-    held = np.zeros((num_blocks, len(terms)), dtype=bool)  # held[b, t]: block b holds term t
-    where = np.isin(tokens, terms)
-    rows = np.nonzero(where)[0]
-    held[rows, np.searchsorted(terms, tokens[where])] = True
-    history_count = held.sum(axis=0)
+    held, history_count = _holding(history, terms, block_tokens)
     top = candidates[np.asarray(order, dtype=np.int64)[: min(TOP_RANKED, max(len(candidates) // 8, 1))]]
     top_count = held[top].sum(axis=0)
     lifted = top_count * num_blocks >= LIFT * history_count * len(top)
     template = np.isin(terms, lead_terms) & (top_count >= TEMPLATE_BLOCKS) & lifted
     if not template.any():
         return mask
-    distinctive = ~template & (history_count <= max(RARE_SHARE * num_blocks, RARE_BLOCKS))
+    distinctive = ~template & _rare(history_count, num_blocks)
     mask = held[candidates][:, template].any(axis=1) & ~held[candidates][:, distinctive].any(axis=1)
     mask[candidates == lead] = False
     return mask

@@ -36,7 +36,7 @@ from vllm_sekv.workspace.passages import BreakTokens, Passages
 from vllm_sekv.workspace.segments import anchors_by_surprisal, segment
 from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
-from vllm_sekv.index.lookalikes import lookalike_mask
+from vllm_sekv.index.lookalikes import LEAD_CANDIDATES, lead_block, lookalike_mask
 from vllm_sekv.workspace.view_passes import (
     PassKind, ViewBudget, ViewPass, final_pass, first_pass, hop_probe, interleave_hops, rank_order, truncated_pass,
 )
@@ -58,7 +58,7 @@ class ViewJob:
     scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     lexical_hop: np.ndarray | None = None  # the lexical hop's scores (`probe_lexical_hop`), after the first probe
-    lead: int | None = None  # the first probe's best block: where the lexical hop and the look-alikes start
+    lead: int | None = None  # where the question leads (`index.lookalikes`): the lexical hop's and look-alikes' start
     drop_lookalikes: bool = False  # leave the lead block's look-alikes out (server setting, likewise)
     lookalikes: int = 0  # candidates the last ranking left out as look-alikes
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
@@ -403,11 +403,12 @@ class ViewCoordinator:
             job.probe = job.current
             job.hop_scores.append(job.scores)
             job.scores = None
-            candidates = job.probe.candidates
-            if len(job.hop_scores) == 1 and candidates:
-                job.lead = candidates[rank_order(job.hop_scores[0])[0]]
-                if self.config.probe_lexical_hop == "on":
-                    history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
+            candidates, hop = job.probe.candidates, self.config.probe_lexical_hop == "on"
+            if len(job.hop_scores) == 1 and candidates and (hop or job.drop_lookalikes):
+                history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
+                best = [candidates[i] for i in rank_order(job.hop_scores[0])[:LEAD_CANDIDATES]]
+                job.lead = lead_block(history, best, job.prompt[job.probe.tail_start:], job.budget.block_tokens)
+                if hop:
                     job.lexical_hop = lexical.hop_scores(history, job.lead, candidates, job.budget.block_tokens)
         job.current = None
         # vLLM looks the request up in its prefix cache before asking for its
