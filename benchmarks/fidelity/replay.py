@@ -340,8 +340,9 @@ def main() -> None:
     ap.add_argument("--sink-blocks", type=int, default=2, help="the views' sink, in blocks (sink_tokens 64)")
     ap.add_argument("--recent-blocks", type=int, default=8, help="the views' recent window (recent_tokens 256)")
     ap.add_argument("--extra", type=int, default=32, help="evidence-plus: this many other selected blocks")
-    ap.add_argument("--hop-blocks", type=int, default=2, help="lexical-hop: this many blocks of the lexical hop; drop-lookalikes: "
-                         "0 for the probes' rankings alone, else the lexical hop's among them")
+    ap.add_argument("--hop-blocks", type=int, default=2,
+                    help="lexical-hop: this many blocks of the lexical hop; drop-lookalikes: 0 for the probes' "
+                         "rankings alone, else the lexical hop's among them")
     ap.add_argument("--block-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24, help="as the evaluation's servers answered (run.py)")
     ap.add_argument("--out", default=str(H.results_dir("fidelity")))
@@ -356,8 +357,8 @@ def main() -> None:
     families = args.families.split(",")
 
     def label(variant: str) -> str:
-        return variant_label(variant, args.fill_top, args.fill_from,
-                             args.hop_blocks if variant in ("lexical-hop", "drop-lookalikes") else args.extra, args.fill_context,
+        extra = args.hop_blocks if variant in ("lexical-hop", "drop-lookalikes") else args.extra
+        return variant_label(variant, args.fill_top, args.fill_from, extra, args.fill_context,
                              args.fill_passages, args.fill_lines)
     for f in families:
         if "no-lookalikes" in args.variants and f not in PLANTED:

@@ -65,6 +65,7 @@ def _holding(history: np.ndarray, terms: np.ndarray, block_tokens: int) -> tuple
 
 
 def _rare(history_count: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Whether each token held by `history_count` of `num_blocks` history blocks is rare."""
     return history_count <= max(RARE_SHARE * num_blocks, RARE_BLOCKS)
 
 

@@ -61,6 +61,7 @@ class ViewJob:
     lead: int | None = None  # where the question leads (`index.lookalikes`): the lexical hop's and look-alikes' start
     drop_lookalikes: bool = False  # leave the lead block's look-alikes out (server setting, likewise)
     lookalikes: int = 0  # candidates the last ranking left out as look-alikes
+    history_ids: np.ndarray | None = None  # the history's token ids (int64), made once where the lead block is chosen
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
     hop_gain: float = 0.0  # how a later hop favours what it lifts (`interleave_hops`; likewise)
     context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
@@ -331,9 +332,8 @@ class ViewCoordinator:
             scores = lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
         if job.drop_lookalikes and job.lead is not None:
             probe = job.probe
-            mask = lookalike_mask(np.asarray(job.prompt[: probe.tail_start], dtype=np.int64), probe.candidates,
-                                  rank_order(scores), job.lead, job.prompt[probe.tail_start:],
-                                  job.budget.block_tokens)
+            mask = lookalike_mask(job.history_ids, probe.candidates, rank_order(scores), job.lead,
+                                  job.prompt[probe.tail_start:], job.budget.block_tokens)
             scores = np.where(mask, -np.inf, scores)
             job.lookalikes = int(mask.sum())
         return scores
@@ -405,7 +405,7 @@ class ViewCoordinator:
             job.scores = None
             candidates, hop = job.probe.candidates, self.config.probe_lexical_hop == "on"
             if len(job.hop_scores) == 1 and candidates and (hop or job.drop_lookalikes):
-                history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
+                job.history_ids = history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
                 best = [candidates[i] for i in rank_order(job.hop_scores[0])[:LEAD_CANDIDATES]]
                 job.lead = lead_block(history, best, job.prompt[job.probe.tail_start:], job.budget.block_tokens)
                 if hop:
