@@ -110,6 +110,7 @@ def main() -> None:
                "lexical_hop_ranks_another_chain_block_first": len(hop_first)}
     meta = H.meta(H.command(__file__))
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "lookalikes.json").write_text(json.dumps({"meta": meta, "summary": summary, "trials": rows}, indent=1))
     lines = H.header_from(meta, f"Fidelity: where the ranking puts the look-alikes (`vartrack`, `{args.method}`)") + [
         f"{summary['n']} questions. The served views held {summary['lookalikes_in_view_median']} look-alike "
