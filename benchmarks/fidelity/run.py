@@ -300,33 +300,28 @@ class Servers:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers: dict[str, LocalServer] = {}
         for name in text_methods:
-            util = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            util = ["--gpu-memory-utilization", str(memory_utilization(args, window, args.gpu_memory_utilization))]
             self.servers[f"plain-{name}"] = LocalServer(args.model, None, ["--max-model-len", str(window), *util,
                                                                            *common], env,
                                                         log_path=log_dir / f"plain-{name}.log")
         longest = max(args.lengths) + 4096
         for name, budgets in configs.items():
             extra = {**SEKV_CONFIGS[name], "view_tokens": max(budgets), "host_bytes": args.host_bytes}
-            util = ["--gpu-memory-utilization", str(sekv_memory_utilization(args, longest))]
+            util = ["--gpu-memory-utilization", str(memory_utilization(args, longest))]
             self.servers[name] = LocalServer(
                 args.model, extra, ["--max-model-len", str(longest), *util, *common],
                 {**env, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, log_path=log_dir / f"{name}.log")
     def start(self, timeout_s: float) -> None:
-        errors: list[str] = []
-
-        def one(name, server):
+        """One after the other (vLLM sizes its cache from the memory free at its
+        start); the first that fails stops the others and the run."""
+        print(f"[servers] starting {len(self.servers)} servers", flush=True)
+        for name, server in self.servers.items():
             try:
                 server.start(timeout_s)
-                print(f"[servers] {name} up at {server.url}", flush=True)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(f"{name}: {e}")
-
-        print(f"[servers] starting {len(self.servers)} servers", flush=True)
-        for item in self.servers.items():  # one after the other: vLLM sizes its cache from the free memory
-            one(*item)
-        if errors:
-            self.stop()
-            raise SystemExit("servers did not start:\n" + "\n".join(errors))
+            except Exception as e:  # noqa: BLE001 - the run ends here, with the server's log tail
+                self.stop()
+                raise SystemExit(f"servers did not start:\n{name}: {e}") from e
+            print(f"[servers] {name} up at {server.url}", flush=True)
 
     def stop(self) -> None:
         for server in self.servers.values():
@@ -475,14 +470,15 @@ def warn_host_bytes(args, workspaces: list[str]) -> None:
                   f"GiB needed): later questions will ingest their history again", flush=True)
 
 
-def sekv_memory_utilization(args, max_model_len: int) -> float:
-    """A sekv server's share of the device: the weights, 3 GiB of work space
-    and a KV cache of `max_model_len` tokens (vLLM refuses to start with less,
-    although views never hold that many); `--gpu-memory-utilization` off CUDA."""
+def memory_utilization(args, max_model_len: int, given: float | None = None) -> float:
+    """A server's share of the device: `given`, else the weights, 3 GiB of work
+    space and a KV cache of `max_model_len` tokens (vLLM refuses to start with
+    less; a sekv server's views never hold that many), whatever the card's size;
+    off CUDA, `--gpu-memory-utilization` or 0.06 (vLLM's CPU build ignores it)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return args.gpu_memory_utilization
+    if given is not None or not torch.cuda.is_available():
+        return given if given is not None else 0.06
     kv_bytes = max_model_len * kv_bytes_per_token(args.model)
     weights = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
     total = torch.cuda.get_device_properties(0).total_memory
@@ -502,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="skip trials already in --out")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.06,
-                   help="each plain server's share of the device (sekv servers: sized for the longest history)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="each plain server's share of the device (default: sized for the model's window, as "
+                        "sekv servers are for the longest history)")
     p.add_argument("--kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (CPU builds)")
     p.add_argument("--host-bytes", default="16G", help="each sekv server's host tier")
     p.add_argument("--server-args", default="", help="more `vllm serve` arguments, space-separated")

@@ -82,6 +82,7 @@ wait_for_fidelity_servers() {  # vLLM sizes its cache from the memory free at it
       want=$(grep -o "starting [0-9]* servers" "$runlog" | grep -o "[0-9]*")
       [ -n "$want" ] && [ "$(grep -c '\[servers\].* up' "$runlog")" -ge "$want" ] && break
       grep -q "did not start\|nothing to run" "$runlog" && break
+      kill -0 "$(cat "$(dirname "$runlog")/pid" 2>/dev/null)" 2>/dev/null || break  # that evaluation has ended
       sleep 1
     done
     log "$runlog: $(grep -c '\[servers\].* up' "$runlog") of ${want:-?} servers up"
