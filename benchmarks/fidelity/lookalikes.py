@@ -11,9 +11,9 @@ ranking; how many look-alike blocks the served view held; whether the lead
 block (`index.lookalikes.lead_block`: of the first probe's best 4, the one
 the question's own rare tokens name) is a line of the asked chain; and where
 a lexical hop ranks the chain's other blocks: BM25 over token ids against
-the first probe's best block, each block scored alone
-(`index.lexical.block_scores` with no window), the second hop that
-`replay.py --variants lexical-hop` replays.
+the lead block, each history block scored alone (`index.lexical.hop_scores`,
+as `probe_lexical_hop` scores them; the served hop ranks the probe's
+candidates only, so a block ranks there at least as high as here).
 
     python benchmarks/fidelity/lookalikes.py --model QWEN_DIR --runs RUN.jsonl \\
         --method views-rerank-rh-hop3-sel16-psg8-rcall-ord:8192 [--out benchmarks/results/fidelity]
@@ -88,17 +88,17 @@ def main() -> None:
         first, end = best[0], (max(r["selected_blocks"]) + 1) * bt
         lead = lead_block(prompt[:end], best, prompt[end:], bt)
         history = prompt[: hi * bt]
-        hop = lexical_hop(history, first, lo, hi, hi - lo, bt)
+        hop = lexical_hop(history, lead, lo, hi, hi - lo, bt)
         rows.append({"seed": seed, "question": q, "correct": r["correct"], "chain_blocks": sorted(chain),
                      "lookalike_blocks": len(other), "lookalikes_in_view": len(other & set(r["selected_blocks"])),
                      "chain_ranks": ranks(r["ranked_blocks"], chain), "lookalike_ranks": ranks(r["ranked_blocks"], other),
                      "probe_chain_ranks": [ranks(p, chain) for p in r["probe_ranked"]],
                      "probe_lookalike_ranks": [ranks(p, other)[:8] for p in r["probe_ranked"]],
                      "first_probe_best_in_chain": first in chain, "lead_block_in_chain": lead in chain,
-                     "lexical_hop_chain_ranks": ranks(hop, chain - {first})})
+                     "lexical_hop_chain_ranks": ranks(hop, chain - {lead})})
     outranked = [r for r in rows if r["chain_ranks"] and r["lookalike_ranks"]
                  and min(r["lookalike_ranks"]) < max(r["chain_ranks"])]
-    hop_first = [r for r in rows if r["first_probe_best_in_chain"] and r["lexical_hop_chain_ranks"]
+    hop_first = [r for r in rows if r["lead_block_in_chain"] and r["lexical_hop_chain_ranks"]
                  and r["lexical_hop_chain_ranks"][0] == 1]
     summary = {"n": len(rows),
                "lookalikes_in_view_median": statistics.median(r["lookalikes_in_view"] for r in rows),
