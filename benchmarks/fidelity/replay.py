@@ -52,10 +52,11 @@ hold are answered without a GPU:
                     a second hop that follows a line to the name it points
                     to by that name's tokens.
 * `drop-lookalikes` the probes' rankings taken in turn (`probe_ranked`; with
-                    `--hop-blocks` > 0 the lexical hop from the lead block
-                    (`index.lookalikes.lead_block`) as the second, as
+                    `--hop-blocks` > 0 the lexical hop from the lead lines
+                    (`index.lookalikes`: the lead block with the rest of the
+                    lines its boundaries cut) as the second, as
                     `probe_lexical_hop` takes it), the look-alikes of the
-                    lead block left out
+                    lead lines left out
                     (`index.lookalikes`, as `view_lookalikes` drop leaves
                     them), then the first `--fill-top` blocks with
                     `--fill-passages` and `--fill-lines` as in
@@ -161,12 +162,19 @@ def top_blocks(ranked: list[int], top: int, context: int, lo: int, hi: int,
     return choose_blocks(ranked, range(lo, hi), top, hi - lo, context, passages, passage_blocks, lines)
 
 
-def lexical_hop(history: list[int], query_block: int, lo: int, hi: int, n: int, block_tokens: int) -> list[int]:
-    """The `n` blocks in `[lo, hi)` (query block aside) with the best BM25
-    score against the tokens of block `query_block`, each block scored alone."""
+def lexical_hop(history: list[int], lead: tuple[int, int], lo: int, hi: int, n: int, block_tokens: int) -> list[int]:
+    """The `n` blocks in `[lo, hi)` (those holding lead tokens aside) with the
+    best BM25 score against the tokens `history[lead[0]:lead[1]]`, each block
+    scored alone (`index.lexical.hop_scores`)."""
     candidates = np.arange(lo, hi)
-    scores = lexical.hop_scores(np.asarray(history), query_block, candidates, block_tokens)  # its own: -inf
-    return [int(candidates[i]) for i in np.argsort(-scores, kind="stable") if candidates[i] != query_block][:n]
+    scores = lexical.hop_scores(np.asarray(history), lead, candidates, block_tokens)  # the lead's own: -inf
+    return [int(candidates[i]) for i in np.argsort(-scores, kind="stable") if scores[i] > -np.inf][:n]
+
+
+def lead_lines(history: list[int], lead: int, breaks, block_tokens: int) -> tuple[int, int]:
+    """Block `lead`'s tokens with the rest of the lines its boundaries cut, as
+    a view finds its lead lines (`index.lookalikes`)."""
+    return Passages(history, breaks.lines(), block_tokens).line_span(lead)
 
 
 def in_turn(rankings: list[list[int]]) -> list[int]:
@@ -181,10 +189,10 @@ def in_turn(rankings: list[list[int]]) -> list[int]:
     return list(out)
 
 
-def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], lead: int, lo: int, hi: int,
-                          block_tokens: int) -> list[int]:
+def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], lead: tuple[int, int], lo: int,
+                          hi: int, block_tokens: int) -> list[int]:
     """`ranked` (blocks in `[lo, hi)`, best first) without the look-alikes of
-    block `lead` (`index.lookalikes.lookalike_mask` over every block in
+    the lead lines `lead` (`index.lookalikes.lookalike_mask` over every block in
     `[lo, hi)` as candidates, those of `ranked` first in its order)."""
     candidates = list(range(lo, hi))
     first = [b - lo for b in ranked]
@@ -367,7 +375,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    breaks = break_token_ids(tokenizer) if args.fill_passages or args.fill_lines else None
+    breaks = break_token_ids(tokenizer) if args.fill_passages or args.fill_lines or "drop-lookalikes" in args.variants \
+        else None
     trials = {(Path(path).stem, *key): r for path in args.runs for key, r in read_trials([path]).items()}
     out_dir = Path(args.out)
     store = out_dir / "replay" / "trials.jsonl"
@@ -409,7 +418,8 @@ def main() -> None:
                 lo, hi = args.sink_blocks, max(selected) + 1 - args.recent_blocks
                 history = prompt[: (max(selected) + 1) * args.block_tokens]
                 first = [b for b in r["probe_ranked"][0] if lo <= b < hi][: args.fill_top]
-                hop = [b for b in lexical_hop(history, first[0], lo, hi, args.hop_blocks + len(first),
+                alone = (first[0] * args.block_tokens, (first[0] + 1) * args.block_tokens)  # the block alone
+                hop = [b for b in lexical_hop(history, alone, lo, hi, args.hop_blocks + len(first),
                                               args.block_tokens) if b not in first][: args.hop_blocks]
                 passages = Passages(history, breaks, args.block_tokens) if args.fill_passages else None
                 lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None
@@ -423,7 +433,8 @@ def main() -> None:
                 end = (max(selected) + 1) * args.block_tokens
                 history = prompt[:end]
                 probes = [[b for b in p if lo <= b < hi] for p in r["probe_ranked"]]
-                lead = lead_block(history, probes[0], prompt[end:], args.block_tokens)
+                lead = lead_lines(history, lead_block(history, probes[0], prompt[end:], args.block_tokens), breaks,
+                                  args.block_tokens)
                 if args.hop_blocks:
                     probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), args.block_tokens))
                 ranked = without_lookalikes_of(history, prompt[end:], in_turn(probes), lead, lo, hi,

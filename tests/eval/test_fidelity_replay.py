@@ -159,6 +159,7 @@ def test_the_lexical_hop_follows_the_query_blocks_rare_tokens_and_never_returns_
     history[5 * bt:6 * bt] = [7, 901, 902, 7]  # the query block: two rare tokens
     history[12 * bt:13 * bt] = [902, 7, 7, 7]  # shares one of them
     history[15 * bt:16 * bt] = [901, 902, 7, 7]  # shares both
-    assert replay.lexical_hop(history, 5, 2, 18, 2, bt) == [15, 12]
-    assert replay.lexical_hop(history, 5, 2, 14, 1, bt) == [12]  # only candidates in [lo, hi)
+    assert replay.lexical_hop(history, (5 * bt, 6 * bt), 2, 18, 2, bt) == [15, 12]
+    assert replay.lexical_hop(history, (5 * bt, 6 * bt), 2, 14, 1, bt) == [12]  # only candidates in [lo, hi)
+    assert 6 not in replay.lexical_hop(history, (5 * bt, 6 * bt + 1), 2, 18, 16, bt)  # the lead lines' own blocks
     assert replay.variant_label("lexical-hop", 1, None, 2, cut_lines=True) == "lexical-hop:top1+lex2+lines"

@@ -73,7 +73,19 @@ def test_a_lexical_hop_ranks_the_block_sharing_the_query_blocks_rare_terms_and_n
     tokens[40 * BT:41 * BT] = [901, 900, 102, 103]  # the block it points to, far away
     tokens[11 * BT:12 * BT] = [100, 101, 102, 103]  # its neighbour shares common terms only
     candidates = list(range(2, 60))
-    scores = lexical.hop_scores(tokens, 10, candidates, BT)
+    scores = lexical.hop_scores(tokens, (10 * BT, 11 * BT), candidates, BT)
     assert scores.shape == (58,) and scores[candidates.index(10)] == -np.inf
     assert candidates[int(np.argmax(scores))] == 40
     assert scores[candidates.index(40)] > 3 * scores[candidates.index(11)]
+
+
+def test_a_lexical_hop_from_a_line_cut_by_the_lead_blocks_boundary_follows_the_name_past_it():
+    tokens = np.random.default_rng(1).integers(100, 110, 64 * BT)
+    tokens[10 * BT:12 * BT] = [104, 105, 800, 801, 902, 903, 106, 107]  # `VAR X = VAR` | `Y`, then prose
+    tokens[40 * BT:41 * BT] = [902, 903, 102, 103]  # `VAR Y = 42`: Y's rare tokens
+    tokens[30 * BT:31 * BT] = [800, 104, 105, 100]  # a block sharing the lead block's own rare term
+    candidates = list(range(2, 60))
+    alone = lexical.hop_scores(tokens, (10 * BT, 11 * BT), candidates, BT)
+    lines = lexical.hop_scores(tokens, (10 * BT, 11 * BT + 2), candidates, BT)  # with the cut line's rest
+    assert candidates[int(np.argmax(alone))] != 40 and candidates[int(np.argmax(lines))] == 40
+    assert lines[candidates.index(11)] == -np.inf  # the lead's own line, wherever it lies

@@ -33,6 +33,7 @@ LINES = {
     200: [VAR, *G, EQ, 77],
     260: [VAR, *K, EQ, 5],
 }
+LEAD = (50 * BT, 51 * BT)  # the lead block's tokens: its lines are whole
 
 
 def test_other_instances_of_the_template_are_lookalikes():
@@ -40,9 +41,22 @@ def test_other_instances_of_the_template_are_lookalikes():
     candidates = list(range(2, 990))
     ranked = [50, 120, 200, 90, 260, 3, 4, 5]
     order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
-    mask = lookalike_mask(h, candidates, order, lead=50, query=[2000, VAR, *A], block_tokens=BT)
+    mask = lookalike_mask(h, candidates, order, lead=LEAD, query=[2000, VAR, *A], block_tokens=BT)
     dropped = {b for b, m in zip(candidates, mask) if m}
     assert dropped == {120, 200, 260}  # not the lead block, not the value line (it shares C), no prose
+
+
+def test_a_name_past_the_lead_blocks_boundary_keeps_its_value_line_with_the_lead_lines():
+    # "VAR AB = VAR" | "CD": the line is cut after VAR, so only the rest of it names the value line's CD
+    lines = {**LINES, 50: [*PROSE[:4], VAR, *A, EQ], 51: [VAR, *C, *PROSE[5:10]]}
+    h = history(lines)
+    candidates = list(range(2, 990))
+    ranked = [50, 120, 200, 90, 260, 3, 4, 5]
+    order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
+    alone = lookalike_mask(h, candidates, order, lead=LEAD, query=[VAR, *A], block_tokens=BT)
+    whole = lookalike_mask(h, candidates, order, lead=(50 * BT, 51 * BT + 3), query=[VAR, *A], block_tokens=BT)
+    assert 90 in {b for b, m in zip(candidates, alone) if m}  # the block alone drops the asked value
+    assert {b for b, m in zip(candidates, whole) if m} == {120, 200, 260}
 
 
 def test_a_block_the_question_names_is_kept():
@@ -50,7 +64,7 @@ def test_a_block_the_question_names_is_kept():
     candidates = list(range(2, 990))
     ranked = [50, 120, 200, 90, 260]
     order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
-    mask = lookalike_mask(h, candidates, order, lead=50, query=[VAR, *K], block_tokens=BT)
+    mask = lookalike_mask(h, candidates, order, lead=LEAD, query=[VAR, *K], block_tokens=BT)
     assert {b for b, m in zip(candidates, mask) if m} == {120, 200}  # K's line is asked about too
 
 
@@ -59,7 +73,7 @@ def test_without_a_template_nothing_is_a_lookalike():
     candidates = list(range(2, 990))
     order = [candidates.index(b) for b in (50, 51, 90, 3, 4)]
     order += [i for i in range(len(candidates)) if i not in order]
-    mask = lookalike_mask(h, candidates, order, lead=50, query=[301, 2000], block_tokens=BT)
+    mask = lookalike_mask(h, candidates, order, lead=LEAD, query=[301, 2000], block_tokens=BT)
     assert not mask.any()
 
 
@@ -68,17 +82,17 @@ def test_in_a_short_history_no_template_stands_out():
     candidates = list(range(2, 290))
     order = [candidates.index(b) for b in (50, 120, 200, 90, 260)]
     order += [i for i in range(len(candidates)) if i not in order]
-    assert not lookalike_mask(h, candidates, order, lead=50, query=[VAR, *A], block_tokens=BT).any()
+    assert not lookalike_mask(h, candidates, order, lead=LEAD, query=[VAR, *A], block_tokens=BT).any()
 
 
 def test_inputs_are_left_alone_and_empty_inputs_give_empty_masks():
     h = history(LINES)
     before = h.copy()
     candidates = list(range(2, 990))
-    lookalike_mask(h, candidates, list(range(len(candidates))), 50, [VAR], BT)
+    lookalike_mask(h, candidates, list(range(len(candidates))), LEAD, [VAR], BT)
     assert np.array_equal(h, before)
-    assert lookalike_mask(h, [], [], 50, [VAR], BT).shape == (0,)
-    assert lookalike_mask(h[:3], [0], [0], 0, [VAR], BT).tolist() == [False]
+    assert lookalike_mask(h, [], [], LEAD, [VAR], BT).shape == (0,)
+    assert lookalike_mask(h[:3], [0], [0], (0, BT), [VAR], BT).tolist() == [False]
 
 
 def test_the_lead_block_is_the_one_the_questions_own_end_names():

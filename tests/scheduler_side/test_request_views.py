@@ -289,6 +289,16 @@ def test_the_lead_block_is_the_one_the_questions_end_names_not_the_first_probes_
     assert final.ranked == (11, 33)  # 11 leads: 21 and 22 are its look-alikes
 
 
+def test_the_lead_lines_run_past_the_lead_blocks_boundary_to_the_name_its_value_line_shares():
+    # Block 11's last token starts a line (191..195) whose rest names 50001 in block 12; block 33 holds 50001
+    named = {k: v for k, v in TEMPLATE.items() if k != 11 * BT + 4} | {12 * BT + 1: 50001}
+    views, prompt = coordinator(break_tokens=lambda: LINES, edits=named, blocks=LONG, view_lookalikes="drop",
+                                view_select_blocks=2)
+    assert step(views, prompt, [template_scores()])[-1].ranked == (11, 33)
+    views, prompt = coordinator(edits=named, blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
+    assert 33 not in step(views, prompt, [template_scores()])[-1].ranked  # no line breaks: block 11 alone
+
+
 def test_lookalikes_are_kept_by_default_and_a_request_may_drop_them():
     views, prompt = coordinator(edits=TEMPLATE, blocks=LONG, view_select_blocks=2)
     assert step(views, prompt, [template_scores()])[-1].ranked == (11, 21)

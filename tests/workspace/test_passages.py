@@ -55,8 +55,12 @@ def test_a_block_completes_a_line_its_boundary_cuts_when_the_line_spans_just_the
     # line 6..9 crosses blocks 1|2, line 10..11 sits inside block 2, line 0..5 crosses 0|1,
     # line 12..22 spans blocks 3..5, line 23..31 spans 5..7
     assert [p.cut(b) for b in range(8)] == [[1], [0, 2], [1], [], [], [], [], []]
-    with pytest.raises(ValueError, match="outside"):
-        p.cut(8)
+    # the same in tokens: a block's own tokens with the rest of those lines
+    assert [p.line_span(b) for b in range(8)] == [(0, 6), (0, 10), (6, 12), (12, 16), (16, 20), (20, 24),
+                                                  (24, 28), (28, 32)]
+    for method in (p.cut, p.line_span):
+        with pytest.raises(ValueError, match="outside"):
+            method(8)
 
 
 def test_a_views_cut_lines_come_along_uncounted_by_the_selection_limit_within_the_room():

@@ -84,16 +84,19 @@ def fuse(index_scores: Sequence[float], lexical_scores: Sequence[float], weight:
     return fused + (weight / RRF_K) * lexical_scores / best if best > 0 else fused
 
 
-def hop_scores(history: np.ndarray, query_block: int, candidates: Sequence[int], block_tokens: int) -> np.ndarray:
-    """A lexical hop from one block: the BM25 score of each of `candidates`
+def hop_scores(history: np.ndarray, lead: tuple[int, int], candidates: Sequence[int], block_tokens: int) -> np.ndarray:
+    """A lexical hop from the lead: the BM25 score of each of `candidates`
     (block indices of `history`) scored alone against the token ids of
-    block `query_block` (no window, so the query block's own neighbours gain
-    nothing from it); the query block itself scores -inf. A line that names
-    another (`VAR X = VAR Y`) shares that name's rare tokens with the line it
-    points to (`VAR Y = 42`) and little else, where attention over the keys
-    rates every line of the same template alike. Float64 `[len(candidates)]`."""
-    query = np.asarray(history[query_block * block_tokens:(query_block + 1) * block_tokens])
+    `history[lead[0]:lead[1]]` (the lead block with the rest of the lines its
+    boundaries cut, `index.lookalikes`; no window, so the lead's own
+    neighbours gain nothing from it); a block holding lead tokens scores -inf.
+    A line that names another (`VAR X = VAR Y`) shares that name's rare tokens
+    with the line it points to (`VAR Y = 42`) and little else, where
+    attention over the keys rates every line of the same template alike; the
+    name can lie past the block's boundary, hence the whole line. Float64
+    `[len(candidates)]`."""
+    start, end = lead
     candidates = np.asarray(candidates, dtype=np.int64)
-    scores = block_scores(history, query, block_tokens, window_blocks=0)[candidates]
-    scores[candidates == query_block] = -np.inf
+    scores = block_scores(history, np.asarray(history[start:end]), block_tokens, window_blocks=0)[candidates]
+    scores[(candidates >= start // block_tokens) & (candidates <= (end - 1) // block_tokens)] = -np.inf
     return scores

@@ -20,17 +20,21 @@ tokens (the *query*) and a *lead* block (where the question leads):
   better ranked). The query can begin with the previous exchange (an answer
   naming an earlier question's fact), which the probe's attention follows
   too; its end is the question's own turn, which names what it asks.
+* The **lead lines** are the lead block's tokens with the rest of the lines
+  its boundaries cut (`workspace.passages.Passages.line_span`; the block
+  alone where no line breaks are known): a chain's line `VAR X = VAR Y` cut
+  after `VAR` leaves the name it points to in the next block.
 * The **top** is the ranking's best eighth of the candidates, at most
   `TOP_RANKED`. A token's **history share** is the share of history blocks
   that hold it; its **top share** the share of the top's blocks.
-* A **template token** is a token of the lead block that at least
+* A **template token** is a token of the lead lines that at least
   `TEMPLATE_BLOCKS` of the top's blocks hold, with a top share at least
   `LIFT` times its history share: the ranking gathers its occurrences
   (`VAR`, `magic`), where a word of the prose or code around them (`the`,
   `def`) is as common everywhere and is not one.
-* A **distinctive token** is a rare token of the lead block or of the
+* A **distinctive token** is a rare token of the lead lines or of the
   query that is not a template token.
-* A **look-alike** is a candidate other than the lead block that holds a
+* A **look-alike** is a candidate not holding lead lines that holds a
   template token and no distinctive token: the template, about something
   the question does not name. Without template tokens (paragraphs of prose,
   code) nothing is a look-alike, nor in a history shorter than `LIFT`
@@ -83,18 +87,20 @@ def lead_block(history: np.ndarray, best: Sequence[int], query: Sequence[int], b
     return best[int(np.argmax(scores))]  # the first of the highest: the better ranked
 
 
-def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequence[int], lead: int,
+def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequence[int], lead: tuple[int, int],
                    query: Sequence[int], block_tokens: int) -> np.ndarray:
     """Which of `candidates` (block indices of `history`, token ids in
-    virtual order) are look-alikes of block `lead` (see the module's
-    definitions). `order`: indices into `candidates`, best first (the
-    view's ranking); `query`: the step's new tokens. Bool `[len(candidates)]`."""
+    virtual order) are look-alikes of the lead lines `history[lead[0]:
+    lead[1]]` (see the module's definitions). `order`: indices into
+    `candidates`, best first (the view's ranking); `query`: the step's new
+    tokens. Bool `[len(candidates)]`."""
     candidates = np.asarray(candidates, dtype=np.int64)
     num_blocks = len(history) // block_tokens
     mask = np.zeros(len(candidates), dtype=bool)
     if num_blocks == 0 or len(candidates) == 0:
         return mask
-    lead_terms = np.unique(np.asarray(history[lead * block_tokens:(lead + 1) * block_tokens], dtype=np.int64))
+    start, end = lead
+    lead_terms = np.unique(np.asarray(history[start:end], dtype=np.int64))
     terms = np.union1d(lead_terms, np.asarray(query, dtype=np.int64))
     held, history_count = _holding(history, terms, block_tokens)
     top = candidates[np.asarray(order, dtype=np.int64)[: min(TOP_RANKED, max(len(candidates) // 8, 1))]]
@@ -105,5 +111,5 @@ def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequen
         return mask
     distinctive = ~template & _rare(history_count, num_blocks)
     mask = held[candidates][:, template].any(axis=1) & ~held[candidates][:, distinctive].any(axis=1)
-    mask[candidates == lead] = False
+    mask[(candidates >= start // block_tokens) & (candidates <= (end - 1) // block_tokens)] = False
     return mask

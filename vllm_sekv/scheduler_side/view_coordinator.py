@@ -58,7 +58,7 @@ class ViewJob:
     scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     lexical_hop: np.ndarray | None = None  # the lexical hop's scores (`probe_lexical_hop`), after the first probe
-    lead: int | None = None  # where the question leads (`index.lookalikes`): the lexical hop's and look-alikes' start
+    lead: tuple[int, int] | None = None  # the lead lines' tokens (`index.lookalikes`): the lexical hop's start
     drop_lookalikes: bool = False  # leave the lead block's look-alikes out (server setting, likewise)
     lookalikes: int = 0  # candidates the last ranking left out as look-alikes
     history_ids: np.ndarray | None = None  # the history's token ids (int64), made once where the lead block is chosen
@@ -69,7 +69,7 @@ class ViewJob:
     select_blocks: int = 0  # most blocks a view selects, 0: its room (likewise)
     passages: Passages | None = None  # the history's passages, found at the first probe that needs them
     cut_lines: bool = False  # complete the lines the selected blocks' boundaries cut (likewise)
-    lines: Passages | None = None  # the history's lines, found at the final view where it needs them
+    lines: Passages | None = None  # the history's lines, found where the lead lines or the final view need them
     # The zoom router's rank for each of probe.candidates (restore_codec
     # "router"; <= 0: exact); None without a router's report.
     ranks: np.ndarray | None = None
@@ -252,6 +252,16 @@ class ViewCoordinator:
             job.lines = Passages(job.prompt[: job.probe.tail_start], breaks.lines(), job.budget.block_tokens)
         return job.lines
 
+    def _lead_lines(self, job: ViewJob, lead: int) -> tuple[int, int]:
+        """The tokens of block `lead` with the rest of the lines its
+        boundaries cut (the block alone where the tokenizer's breaks are unknown)."""
+        breaks, bt = self._passage_breaks(), job.budget.block_tokens
+        if breaks is None:
+            return lead * bt, (lead + 1) * bt
+        if job.lines is None:
+            job.lines = Passages(job.prompt[: job.probe.tail_start], breaks.lines(), bt)
+        return job.lines.line_span(lead)
+
     def _pass_salt(self, job: ViewJob) -> str:
         n = sum(job.num_passes.values())
         return f"{job.tenant}\x00sekv-view:{job.req_id}:{n}"
@@ -407,7 +417,8 @@ class ViewCoordinator:
             if len(job.hop_scores) == 1 and candidates and (hop or job.drop_lookalikes):
                 job.history_ids = history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
                 best = [candidates[i] for i in rank_order(job.hop_scores[0])[:LEAD_CANDIDATES]]
-                job.lead = lead_block(history, best, job.prompt[job.probe.tail_start:], job.budget.block_tokens)
+                job.lead = self._lead_lines(job, lead_block(history, best, job.prompt[job.probe.tail_start:],
+                                                            job.budget.block_tokens))
                 if hop:
                     job.lexical_hop = lexical.hop_scores(history, job.lead, candidates, job.budget.block_tokens)
         job.current = None

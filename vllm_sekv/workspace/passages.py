@@ -26,7 +26,8 @@ Definitions (the contract of this module):
   either end of `block`: the neighbour holding the rest of the line through
   the block's first token (its last token), when that line spans just the
   two blocks (`view_cut_lines`: a chain's line `VAR X = VAR Y` split after
-  `VAR X`, where only one half ranks).
+  `VAR X`, where only one half ranks). `Passages.line_span(block)` is the
+  same in tokens: the block's own tokens with the rest of those lines.
 * `Passages.around(block, most)` is the block, then the other blocks of its
   home passage's span nearest first (the earlier one first at equal
   distance), when the span has at most `most` blocks; else the block alone.
@@ -110,6 +111,7 @@ class Passages:
         keep = first_token <= last_token  # a break at the very end opens no passage
         self._first = first_token[keep] // block_tokens
         self._last = last_token[keep] // block_tokens
+        self._first_token = first_token[keep]
         self._last_token = last_token[keep]
         middle = np.arange(self.num_blocks, dtype=np.int64) * block_tokens + block_tokens // 2
         self._home = np.searchsorted(self._last_token, middle, side="left")
@@ -138,6 +140,23 @@ class Passages:
         if self._last[last] == block + 1 and self._first[last] == block:
             out.append(block + 1)
         return out
+
+    def line_span(self, block: int) -> tuple[int, int]:
+        """Token range `[start, end)` of `block` with the rest of the passages
+        its boundaries cut, where `cut` completes them: from the first token of
+        the one through the block's first token when that starts in `block -
+        1`, to the last token of the one through its last token when that ends
+        in `block + 1`."""
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is outside the history's {self.num_blocks} blocks")
+        bt = self.block_tokens
+        first, last = np.searchsorted(self._last_token, [block * bt, block * bt + bt - 1], side="left")
+        start, end = block * bt, block * bt + bt
+        if self._first[first] == block - 1 and self._last[first] == block:
+            start = int(self._first_token[first])
+        if self._last[last] == block + 1 and self._first[last] == block:
+            end = int(self._last_token[last]) + 1
+        return start, end
 
     def around(self, block: int, most: int) -> list[int]:
         """`block`, then its home passage's other blocks nearest first (the
