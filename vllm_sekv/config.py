@@ -209,9 +209,10 @@ class SekvConfig:
     # `view_select_blocks`; loads the tokenizer at start-up to find the
     # line breaks.
     view_cut_lines: str = "off"
-    # "drop": a view leaves out the look-alikes of its lead block (the first
-    # probe's best the question names; `index.lookalikes`: its template, none
-    # of its or the new tokens' rare tokens); "keep": ranked as any.
+    # "drop": a view leaves out the look-alikes of its lead lines (of the first
+    # probe's best, the block the question names, with the lines it cuts;
+    # `index.lookalikes`: their template, none of their or the new tokens'
+    # rare tokens); "keep": ranked as any.
     view_lookalikes: str = "keep"
     # Token-level re-rank of a probe's best candidates (0 = off): the index's
     # `rerank_blocks` highest-scoring blocks are scored again by the probe
@@ -257,7 +258,7 @@ class SekvConfig:
     probe_hop_gain: float = 0.0
     # "on": a lexical hop after the first probe, interleaved with the probes'
     # rankings as one more hop: every candidate block scored alone by BM25
-    # over token ids against the lead block (`index.lookalikes.lead_block`,
+    # over token ids against the lead lines (`index.lookalikes`,
     # `index.lexical.hop_scores`): the line a line names among look-alikes.
     probe_lexical_hop: str = "off"
     # Of a view's selected history blocks, the first this many in the order

@@ -49,7 +49,7 @@ from typing import Sequence
 import numpy as np
 
 TOP_RANKED = 32  # at most this many best candidates, whose shared tokens make a template
-TEMPLATE_BLOCKS = 3  # of them must hold a token of the lead block for it to be template
+TEMPLATE_BLOCKS = 3  # of them must hold a token of the lead lines for it to be template
 LIFT = 16  # and its share of them must be this many times its share of the history
 RARE_SHARE = 0.01  # at most this share of the history blocks hold a rare token
 RARE_BLOCKS = 4  # or at most this many

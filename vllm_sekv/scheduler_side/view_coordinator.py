@@ -59,7 +59,7 @@ class ViewJob:
     hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
     lexical_hop: np.ndarray | None = None  # the lexical hop's scores (`probe_lexical_hop`), after the first probe
     lead: tuple[int, int] | None = None  # the lead lines' tokens (`index.lookalikes`): the lexical hop's start
-    drop_lookalikes: bool = False  # leave the lead block's look-alikes out (server setting, likewise)
+    drop_lookalikes: bool = False  # leave the lead lines' look-alikes out (server setting, likewise)
     lookalikes: int = 0  # candidates the last ranking left out as look-alikes
     history_ids: np.ndarray | None = None  # the history's token ids (int64), made once where the lead block is chosen
     probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
@@ -334,7 +334,7 @@ class ViewCoordinator:
         """The finished probes' candidate scores (their hops interleaved, the
         lexical hop after the first), fused with the candidates' lexical
         scores against the new tokens where `lexical_weight` is set; the
-        lead block's look-alikes at -inf where the job drops them."""
+        lead lines' look-alikes at -inf where the job drops them."""
         hops = job.hop_scores if job.lexical_hop is None else [job.hop_scores[0], job.lexical_hop,
                                                                  *job.hop_scores[1:]]
         scores = interleave_hops(hops, job.hop_gain)
