@@ -130,23 +130,16 @@ class Passages:
         boundaries: `block - 1` where the passage through the block's first
         token starts there, `block + 1` where the one through its last token
         ends there (a passage spanning more blocks is not completed)."""
-        if not 0 <= block < self.num_blocks:
-            raise ValueError(f"block {block} is outside the history's {self.num_blocks} blocks")
+        start, end = self.line_span(block)
         bt = self.block_tokens
-        first, last = np.searchsorted(self._last_token, [block * bt, block * bt + bt - 1], side="left")
-        out = []
-        if self._first[first] == block - 1 and self._last[first] == block:
-            out.append(block - 1)
-        if self._last[last] == block + 1 and self._first[last] == block:
-            out.append(block + 1)
-        return out
+        return [b for b, cut in ((block - 1, start < block * bt), (block + 1, end > block * bt + bt)) if cut]
 
     def line_span(self, block: int) -> tuple[int, int]:
         """Token range `[start, end)` of `block` with the rest of the passages
-        its boundaries cut, where `cut` completes them: from the first token of
-        the one through the block's first token when that starts in `block -
-        1`, to the last token of the one through its last token when that ends
-        in `block + 1`."""
+        its boundaries cut where those span just two blocks: from the first
+        token of the one through the block's first token when that starts in
+        `block - 1`, to the last token of the one through its last token when
+        that ends in `block + 1`."""
         if not 0 <= block < self.num_blocks:
             raise ValueError(f"block {block} is outside the history's {self.num_blocks} blocks")
         bt = self.block_tokens
