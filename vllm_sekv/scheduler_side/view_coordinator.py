@@ -240,27 +240,26 @@ class ViewCoordinator:
             job.passages = Passages(job.prompt[: job.probe.tail_start], breaks, job.budget.block_tokens)
         return job.passages
 
-    def _lines(self, job: ViewJob) -> Passages | None:
-        """The job's history lines, where it asks for them (found once per job)."""
-        if not job.cut_lines:
-            return None
-        if job.lines is None:
-            breaks = self._passage_breaks()
-            if breaks is None:
-                job.cut_lines = False
-                return None
+    def _history_lines(self, job: ViewJob) -> Passages | None:
+        """The job's history lines (found once per job); None where the
+        tokenizer's breaks are unknown."""
+        if job.lines is None and (breaks := self._passage_breaks()) is not None:
             job.lines = Passages(job.prompt[: job.probe.tail_start], breaks.lines(), job.budget.block_tokens)
         return job.lines
+
+    def _lines(self, job: ViewJob) -> Passages | None:
+        """The job's history lines, where it asks for them."""
+        if not job.cut_lines:
+            return None
+        lines = self._history_lines(job)
+        job.cut_lines = lines is not None
+        return lines
 
     def _lead_lines(self, job: ViewJob, lead: int) -> tuple[int, int]:
         """The tokens of block `lead` with the rest of the lines its
         boundaries cut (the block alone where the tokenizer's breaks are unknown)."""
-        breaks, bt = self._passage_breaks(), job.budget.block_tokens
-        if breaks is None:
-            return lead * bt, (lead + 1) * bt
-        if job.lines is None:
-            job.lines = Passages(job.prompt[: job.probe.tail_start], breaks.lines(), bt)
-        return job.lines.line_span(lead)
+        lines, bt = self._history_lines(job), job.budget.block_tokens
+        return (lead * bt, (lead + 1) * bt) if lines is None else lines.line_span(lead)
 
     def _pass_salt(self, job: ViewJob) -> str:
         n = sum(job.num_passes.values())
