@@ -40,6 +40,24 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
            slots, deltas, rope, src_rows)
     torch.testing.assert_close(kv_tri, kv_ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(kv_tri2, kv_ref, rtol=1e-3, atol=1e-3)
+# Keys not moved (no deltas): copied bit for bit, signed zeros too, as values are.
+for head_dim, rotary_dim in [(64, 64), (96, 48)]:
+    layers, bt, heads, pages, page_size = 2, 8, 3, 12, 4
+    staging = torch.randn(3, 2, layers, bt, heads, head_dim).to(torch.bfloat16)
+    staging[0, 0, :, :2] = -0.0  # a rotation by zero would give some of them back as +0.0
+    inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    rope = RopeSpec(inv, rotary_dim, True)
+    slots = torch.randperm(pages * page_size)[:2 * bt]
+    slots[::5] = -1
+    kv_ref = torch.randn(layers, 2, pages, heads, page_size, head_dim).to(torch.bfloat16)
+    kv_tri = kv_ref.clone()
+    for kv, fn in ((kv_ref, scatter_reference.scatter_rerope), (kv_tri, rope_kernel.scatter_rerope)):
+        fn(staging, [kv[l, 0].transpose(1, 2) for l in range(layers)],
+           [kv[l, 1].transpose(1, 2) for l in range(layers)], slots, None, rope, torch.tensor([0, 2]))
+    assert torch.equal(kv_tri.view(torch.int16), kv_ref.view(torch.int16))
+    written = kv_tri[:, 0].transpose(2, 3).reshape(layers, -1, heads, head_dim)[:, slots[:bt][slots[:bt] >= 0]]
+    want = staging[0, 0].reshape(layers, bt, heads, head_dim)[:, slots[:bt] >= 0]
+    assert torch.equal(written.view(torch.int16), want.view(torch.int16))  # the staged bits, -0.0 kept
 # fp8 staging with scales (workspace_codec fp8): dequantized, rotated in
 # float32, rounded once. fp16 caches: bit-identical to the reference; bf16
 # caches: within 2 bf16 ulps (the interpreter's float32 -> bfloat16 cast
@@ -57,13 +75,15 @@ for neox, rotary_dim, head_dim in [(True, 64, 64), (False, 32, 32), (True, 48, 9
         slots = torch.randperm(pages * page_size)[:2 * bt]
         slots[::5] = -1
         deltas = torch.randint(-100, 100000, (2 * bt,))
-        for kv, fn in ((kv_ref, scatter_reference.scatter_rerope), (kv_tri, rope_kernel.scatter_rerope)):
-            fn(q8, [kv[l, 0].transpose(1, 2) for l in range(layers)], [kv[l, 1].transpose(1, 2) for l in range(layers)],
-               slots, deltas, rope, torch.tensor([2, 0]), scales=sc8)
-        if cache_dtype == torch.float16:
-            assert torch.equal(kv_tri, kv_ref), (kv_tri.float() - kv_ref.float()).abs().max()
-        else:
-            torch.testing.assert_close(kv_tri, kv_ref, rtol=2 ** -7, atol=1e-6)
+        for moved in (deltas, None):  # keys rotated, or only dequantized
+            for kv, fn in ((kv_ref, scatter_reference.scatter_rerope), (kv_tri, rope_kernel.scatter_rerope)):
+                fn(q8, [kv[l, 0].transpose(1, 2) for l in range(layers)],
+                   [kv[l, 1].transpose(1, 2) for l in range(layers)], slots, moved, rope, torch.tensor([2, 0]),
+                   scales=sc8)
+            if cache_dtype == torch.float16:
+                assert torch.equal(kv_tri, kv_ref), (kv_tri.float() - kv_ref.float()).abs().max()
+            else:
+                torch.testing.assert_close(kv_tri, kv_ref, rtol=2 ** -7, atol=1e-6)
 # fp8 blocks -> model-dtype K/V (a layerwise restore's write): every layer of a
 # batch, and one layer of a ring buffer viewed as [n, 1, bt, H, D]; with and
 # without re-RoPE. fp16: bit-identical; bf16: within 2 ulps (as above).

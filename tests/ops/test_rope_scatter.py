@@ -162,3 +162,18 @@ def test_kernel_matches_reference(rows, layers, bt, heads, dim, rd, neox, pages,
     torch.testing.assert_close(kv_tri.float(), kv_ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 2e-3,
                                atol=1e-2 if dtype == torch.bfloat16 else 2e-3)
     assert (kv_tri != kv_ref).float().mean() < 0.01  # nearly all bit-identical
+
+
+def test_reference_without_deltas_copies_keys_bit_for_bit():
+    """No deltas: keys land as staged (signed zeros too), not rotated by zero."""
+    layers, bt, heads, dim, pages, page_size = 2, 4, 3, 8, 6, 3
+    staging, kv, keys, vals = _case(3, layers, bt, heads, dim, pages, page_size, torch.bfloat16)
+    staging[:, 0, :, ::2] = -0.0
+    slots, _ = _slots(2 * bt, pages, page_size, seed=1)
+    scatter_rerope(staging, keys, vals, slots, None, _rope(6), torch.tensor([2, 0]))
+    keep = slots >= 0
+    page, off = slots[keep] // page_size, slots[keep] % page_size
+    for l in range(layers):
+        for half, caches in ((0, keys), (1, vals)):
+            want = staging[[2, 0], half, l].reshape(-1, heads, dim)[keep]
+            assert torch.equal(caches[l][page, off].view(torch.int16), want.view(torch.int16))

@@ -13,9 +13,10 @@ beside a reference with the same contract.
   logsumexp logit over its S index vectors, `[Hq, B]` float32 (see
   `vllm_sekv/ops/scoring/sub_block_scoring.py`; the kernel takes S and D powers of two).
 * `scatter_rerope(staging, key_caches, value_caches, slot_mapping,
-  delta_positions, rope, src_rows=None, scales=None)`: staged blocks -> paged
-  caches, K re-RoPE'd; fp8 staging with its `scales` is dequantized on the
-  way (see `vllm_sekv/ops/rope/scatter_reference.py`).
+  delta_positions, rope, src_rows=None, scales=None)`: staged blocks (rows
+  `src_rows` of `staging`) -> paged caches, K re-RoPE'd (`delta_positions`
+  None: copied); fp8 staging with its `scales` is dequantized on the way
+  (see `vllm_sekv/ops/rope/scatter_reference.py`).
 * `dequantize_rerope(key, value, params, delta_positions, rope, dtype)`:
   an fp8 pool's blocks -> model-dtype `[layers, tokens, kv_heads, head_dim]`
   K and V, keys re-RoPE'd, in one pass (see
@@ -94,10 +95,11 @@ def warm_up_scoring(entries: torch.Tensor, q_heads: int) -> int:
 
 
 def scatter_rerope(staging: torch.Tensor, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
-                   slot_mapping: torch.Tensor, delta_positions: torch.Tensor, rope: RopeSpec,
+                   slot_mapping: torch.Tensor, delta_positions: torch.Tensor | None, rope: RopeSpec,
                    src_rows: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
-    """Scatter + re-RoPE into paged caches (fp8 staging dequantized by
-    `scales`); Triton on CUDA, reference elsewhere."""
+    """Scatter + re-RoPE into paged caches (keys not rotated without
+    `delta_positions`; fp8 staging dequantized by `scales`); Triton on CUDA,
+    reference elsewhere."""
     if _use_triton(staging) and key_caches and _use_triton(key_caches[0]):
         from vllm_sekv.ops.rope import scatter
 

@@ -7,6 +7,10 @@ list). One launch covers all layers: the per-layer cache base addresses are
 passed as int64 tables, so all key views must share one stride set and all
 value views another (true for vLLM's per-layer caches).
 
+`delta_positions` None: keys are not moved, the kernel copies them as it
+copies values (`HAS_DELTA` off): bit for bit, where a rotation by zero
+could turn a -0.0 into +0.0.
+
 Angles are formed once per batch token in float64 (torch, as `rotate_keys`
 does) and passed as float32 cos/sin tables [tokens, rotary_dim/2]; the kernel
 rotates in float32 and rounds once to the cache dtype. The table costs
@@ -87,7 +91,8 @@ def _scatter_rerope_kernel(
     num_tokens, kv_heads, page_size, row_stride, half_stride, layer_stride, tok_stride,
     k_sp, k_st, k_sh, k_sd, v_sp, v_st, v_sh, v_sd, sc_row, sc_half, sc_layer, sc_head,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-    IS_NEOX: tl.constexpr, HAS_SRC_ROWS: tl.constexpr, HAS_PASS: tl.constexpr, HAS_SCALES: tl.constexpr,
+    IS_NEOX: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_SRC_ROWS: tl.constexpr, HAS_PASS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -110,10 +115,10 @@ def _scatter_rerope_kernel(
     k_tok = k_base + page * k_sp + off * k_st
     v_tok = v_base + page * v_sp + off * v_st
 
-    # cos/sin loaded once per program, reused for every head.
-    d1, d2, i_mask, _, cos, sin = rope_pairs(toks, t_mask, COS, SIN, HALF, IS_NEOX, BLOCK_HALF)
     dd = tl.arange(0, BLOCK_D)
     d_mask = dd < HEAD_DIM
+    if HAS_DELTA:  # cos/sin loaded once per program, reused for every head
+        d1, d2, i_mask, _, cos, sin = rope_pairs(toks, t_mask, COS, SIN, HALF, IS_NEOX, BLOCK_HALF)
     for hh in tl.static_range(HEADS_PER_PROG):
         head = pid_h * HEADS_PER_PROG + hh
         h_ok = (tl.zeros([BLOCK_T], tl.int32) + head) < kv_heads
@@ -122,30 +127,39 @@ def _scatter_rerope_kernel(
         src = src_tok + head * HEAD_DIM
         k_dst = k_tok + head * k_sh
         v_dst = v_tok + head * v_sh
-        lm = r_mask[:, None] & i_mask[None, :]
-        x1 = tl.load(src[:, None] + d1[None, :], mask=lm, other=0.0).to(tl.float32)
-        x2 = tl.load(src[:, None] + d2[None, :], mask=lm, other=0.0).to(tl.float32)
+        vm = r_mask[:, None] & d_mask[None, :]
         if HAS_SCALES:  # fp8 staging: scale, then centres, of (row, K / V, layer, head) per token
             sc = SCALES + blk * sc_row + layer * sc_layer + head * sc_head
             k_scale = tl.load(sc, mask=r_mask, other=1.0)
             v_scale = tl.load(sc + sc_half, mask=r_mask, other=1.0)
-            x1 = x1 * k_scale[:, None] + tl.load(sc[:, None] + 1 + d1[None, :], mask=lm, other=0.0)
-            x2 = x2 * k_scale[:, None] + tl.load(sc[:, None] + 1 + d2[None, :], mask=lm, other=0.0)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
-        wm = s_mask[:, None] & i_mask[None, :]
-        tl.store(k_dst[:, None] + d1[None, :] * k_sd, y1.to(DTYPE), mask=wm)
-        tl.store(k_dst[:, None] + d2[None, :] * k_sd, y2.to(DTYPE), mask=wm)
-        if HAS_PASS:  # dims [2*HALF, HEAD_DIM) are not rotated
-            p_mask = (dd >= 2 * HALF) & d_mask
-            pm = r_mask[:, None] & p_mask[None, :]
-            xp = tl.load(src[:, None] + dd[None, :], mask=pm, other=0.0)
+        if HAS_DELTA:
+            lm = r_mask[:, None] & i_mask[None, :]
+            x1 = tl.load(src[:, None] + d1[None, :], mask=lm, other=0.0).to(tl.float32)
+            x2 = tl.load(src[:, None] + d2[None, :], mask=lm, other=0.0).to(tl.float32)
             if HAS_SCALES:
-                xp = xp.to(tl.float32) * k_scale[:, None] + tl.load(sc[:, None] + 1 + dd[None, :], mask=pm, other=0.0)
-                xp = xp.to(DTYPE)
-            tl.store(k_dst[:, None] + dd[None, :] * k_sd, xp, mask=s_mask[:, None] & p_mask[None, :])
+                x1 = x1 * k_scale[:, None] + tl.load(sc[:, None] + 1 + d1[None, :], mask=lm, other=0.0)
+                x2 = x2 * k_scale[:, None] + tl.load(sc[:, None] + 1 + d2[None, :], mask=lm, other=0.0)
+            y1 = x1 * cos - x2 * sin
+            y2 = x2 * cos + x1 * sin
+            wm = s_mask[:, None] & i_mask[None, :]
+            tl.store(k_dst[:, None] + d1[None, :] * k_sd, y1.to(DTYPE), mask=wm)
+            tl.store(k_dst[:, None] + d2[None, :] * k_sd, y2.to(DTYPE), mask=wm)
+            if HAS_PASS:  # dims [2*HALF, HEAD_DIM) are not rotated
+                p_mask = (dd >= 2 * HALF) & d_mask
+                pm = r_mask[:, None] & p_mask[None, :]
+                xp = tl.load(src[:, None] + dd[None, :], mask=pm, other=0.0)
+                if HAS_SCALES:
+                    xp = xp.to(tl.float32) * k_scale[:, None] + tl.load(sc[:, None] + 1 + dd[None, :], mask=pm,
+                                                                       other=0.0)
+                    xp = xp.to(DTYPE)
+                tl.store(k_dst[:, None] + dd[None, :] * k_sd, xp, mask=s_mask[:, None] & p_mask[None, :])
+        else:  # keys not moved: copied as they are (fp8: dequantized, rounded once to the cache dtype)
+            k = tl.load(src[:, None] + dd[None, :], mask=vm, other=0.0)
+            if HAS_SCALES:
+                k = (k.to(tl.float32) * k_scale[:, None] + tl.load(sc[:, None] + 1 + dd[None, :], mask=vm,
+                                                                   other=0.0)).to(DTYPE)
+            tl.store(k_dst[:, None] + dd[None, :] * k_sd, k, mask=s_mask[:, None] & d_mask[None, :])
         # V: plain copy (fp8: dequantized, rounded once to the cache dtype).
-        vm = r_mask[:, None] & d_mask[None, :]
         v = tl.load(src[:, None] + half_stride + dd[None, :], mask=vm, other=0.0)
         if HAS_SCALES:
             v_centre = tl.load(sc[:, None] + sc_half + 1 + dd[None, :], mask=vm, other=0.0)
@@ -180,7 +194,7 @@ def scatter_rerope(
     key_caches: Sequence[torch.Tensor],
     value_caches: Sequence[torch.Tensor],
     slot_mapping: torch.Tensor,
-    delta_positions: torch.Tensor,
+    delta_positions: torch.Tensor | None,
     rope: RopeSpec,
     src_rows: torch.Tensor | None = None,
     block_t: int = 32,
@@ -212,7 +226,7 @@ def scatter_rerope(
     vs = _common_strides(value_caches, "value cache")
     num_tokens = num_batch_blocks * block_tokens
     slots = slot_mapping.to(device=device, dtype=torch.int64, non_blocking=True)
-    cos, sin = rope_cos_sin(delta_positions, rope, device)
+    cos, sin = rope_cos_sin(delta_positions, rope, device) if delta_positions is not None else (slots, slots)
     rows = None if src_rows is None else src_rows.to(device=device, dtype=torch.int64, non_blocking=True)
     heads_per_prog = max(1, min(heads_per_prog, kv_heads))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(kv_heads, heads_per_prog), num_layers)
@@ -220,12 +234,12 @@ def scatter_rerope(
         staging, rows if rows is not None else slots, slots, cos, sin,
         _pointer_table(key_caches), _pointer_table(value_caches), key_caches[0],
         scales if scales is not None else cos,
-        num_tokens, kv_heads, key_caches[0].shape[1], staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
+        num_tokens, kv_heads, key_caches[0].shape[1], *staging.stride()[:4],
         ks[0], ks[1], ks[2], ks[3], vs[0], vs[1], vs[2], vs[3],
         *(scales.stride()[:4] if scales is not None else (0, 0, 0, 0)),
         HEAD_DIM=head_dim, HALF=half, BLOCK_TOKENS=block_tokens,
-        IS_NEOX=rope.is_neox_style, HAS_SRC_ROWS=rows is not None, HAS_PASS=2 * half < head_dim,
-        HAS_SCALES=scales is not None,
+        IS_NEOX=rope.is_neox_style, HAS_DELTA=delta_positions is not None, HAS_SRC_ROWS=rows is not None,
+        HAS_PASS=2 * half < head_dim, HAS_SCALES=scales is not None,
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_PROG=heads_per_prog, num_warps=4,
         enable_fp_fusion=False,  # no FMA: the same float32 roundings as the reference

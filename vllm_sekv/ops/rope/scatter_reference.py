@@ -13,7 +13,8 @@ strides (vLLM's FlashAttention cache `kv[l]` of shape [2, pages, page, H, D] giv
 `kv[l][0]`, `kv[l][1]`; a head-major cache gives `.transpose(1, 2)` views).
 Batch token n goes to slot `slot_mapping[n]` = page * page_size + offset;
 slot -1 skips the token. K is rotated by `delta_positions[n]` (new position minus
-stored position) with `rotate_keys`; V is copied.
+stored position) with `rotate_keys` (`delta_positions` None: K is copied as it
+is, like V); V is copied.
 
 Optional `scales [n_rows, 2, num_layers, kv_heads, 1 + head_dim]` float32
 (per staging row, K or V, layer and head: a scale and a centre per channel;
@@ -55,10 +56,11 @@ def check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_po
             raise ValueError(f"cache {cache.dtype}/{cache.device} vs staging {staging.dtype}/{key_caches[0].device}")
     num_batch_blocks = staging.shape[0] if src_rows is None else int(src_rows.shape[0])
     num_tokens = num_batch_blocks * block_tokens
-    if slot_mapping.shape != (num_tokens,) or delta_positions.shape != (num_tokens,):
+    if slot_mapping.shape != (num_tokens,) or (delta_positions is not None
+                                               and delta_positions.shape != (num_tokens,)):
         raise ValueError(
             f"slot_mapping / delta_positions must be [{num_tokens}], got "
-            f"{tuple(slot_mapping.shape)} / {tuple(delta_positions.shape)}"
+            f"{tuple(slot_mapping.shape)} / {None if delta_positions is None else tuple(delta_positions.shape)}"
         )
     return num_batch_blocks
 
@@ -68,13 +70,13 @@ def scatter_rerope(
     key_caches: Sequence[torch.Tensor],
     value_caches: Sequence[torch.Tensor],
     slot_mapping: torch.Tensor,
-    delta_positions: torch.Tensor,
+    delta_positions: torch.Tensor | None,
     rope: RopeSpec,
     src_rows: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
 ) -> None:
-    """Write K (rotated by `delta_positions`) and V of the staged blocks into
-    the caches (fp8 staging dequantized by `scales` first)."""
+    """Write K (rotated by `delta_positions`; None: not rotated) and V of the
+    staged blocks into the caches (fp8 staging dequantized by `scales` first)."""
     num_batch_blocks = check_scatter_args(staging, key_caches, value_caches, slot_mapping, delta_positions, src_rows,
                                           scales)
     if num_batch_blocks == 0:
@@ -87,14 +89,14 @@ def scatter_rerope(
         s = (scales if src_rows is None else scales[src_rows.to(scales.device)]).to(device)
         rows = rows.to(torch.float32) * s[..., 0][:, :, :, None, :, None] + s[..., 1:][:, :, :, None]
     slots = slot_mapping.to(device=device, dtype=torch.int64)
-    deltas = delta_positions.to(device=device, dtype=torch.int64)
+    deltas = None if delta_positions is None else delta_positions.to(device=device, dtype=torch.int64)
     keep = slots >= 0
     page_size = key_caches[0].shape[1]
     pages, offsets = slots[keep] // page_size, slots[keep] % page_size
     for layer in range(num_layers):
         k = rows[:, 0, layer].reshape(-1, kv_heads, head_dim)
         v = rows[:, 1, layer].reshape(-1, kv_heads, head_dim)
-        k = rotate_keys(k[keep], deltas[keep], rope)
+        k = k[keep] if deltas is None else rotate_keys(k[keep], deltas[keep], rope)
         key_caches[layer][pages, offsets] = k.to(key_caches[layer].dtype)
         value_caches[layer][pages, offsets] = v[keep].to(value_caches[layer].dtype)
 
