@@ -384,3 +384,121 @@ def test_after_the_warm_up_no_restore_compiles_a_kernel(codec):
                 r.finish()
     torch.cuda.synchronize()
     assert _compiled_kernels() == compiled
+
+
+class PagedLayer:
+    """An attention layer's cache-update op over a `[2, pages, page_size, kv_heads, head_dim]` cache (the
+    layout `compat.paged_kv_views` knows): rows by slot, -1 skipped; counts its calls."""
+
+    def __init__(self):
+        self.impl = self
+        self.calls = 0
+
+    def write_kv(self, layer, key, value, kv_cache, slots):
+        self.calls += 1
+        keep = slots >= 0
+        kv_cache[0].view(-1, HEADS, D)[slots[keep]] = key[keep]
+        kv_cache[1].view(-1, HEADS, D)[slots[keep]] = value[keep]
+
+
+PAGE = 5
+
+
+def _paged_setup(resident_bytes, names=None, device="cpu"):
+    """bf16 pool and paged caches (pages of PAGE tokens), some keys -0.0 (a rotation by zero would turn
+    some of them into +0.0)."""
+    device = torch.device(device)
+    geometry = KVGeometry(num_layers=LAYERS, kv_heads=HEADS, head_dim=D, dtype=torch.bfloat16, world_size=1)
+    pool = HostPool(SLOTS, LAYERS, BT, HEADS, D, torch.bfloat16, pin_memory=device.type == "cuda")
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
+    pool.data[:, 0, :, :, :, :3] = -0.0
+    names = names or {f"model.layers.{i}.self_attn.attn": i for i in range(LAYERS)}
+    caches = {name: torch.zeros(2, PAGED // PAGE, PAGE, HEADS, D, dtype=torch.bfloat16, device=device)
+              for name in names}
+    context = SimpleNamespace(no_compile_layers={name: PagedLayer() for name in names})
+    restores = DeviceRestores(pool, CaptureWriter(pool, device), caches, names, geometry, ROPE, BT, "batched", device,
+                              layerwise_copies=False, resident_bytes=resident_bytes)
+    return pool, caches, context, restores
+
+
+def _view_steps(deltas):
+    """Restore ops of consecutive view steps: mostly the same slots, in other orders, at other paged slots
+    and positions; the first of 9 slots, one of them cut short, so a slot's tail rows are skipped."""
+    gen = np.random.default_rng(3)
+    steps = [[4, 5, 6, 20, 21, 22, 30, 31, 2], [22, 21, 20, 6, 5, 4, 31, 30, 2], [5, 6, 7, 8, 20, 21, 30, 31],
+             [5, 6, 7, 8, 20, 21, 30, 31]]
+    ops = []
+    for slots in steps:
+        host_rows = np.concatenate([np.arange(s * BT, s * BT + BT) for s in slots])[:-2]
+        paged = gen.permutation(PAGED)[:len(host_rows)].astype(np.int64)
+        moved = gen.integers(-500, 5000, len(host_rows)) if deltas else None
+        ops.append(RestoreOp("r", paged_slots=paged, host_rows=host_rows, rope_deltas=moved))
+    return ops
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("deltas", [True, False], ids=["moved", "not-moved"])
+@pytest.mark.parametrize("resident", [16, 0], ids=["resident", "no-pool"])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_batched_restores_through_checked_views_write_what_the_cache_update_op_writes(device, resident, deltas):
+    """With the caches' K/V views checked (`cache_views`) a batched restore
+    of an exact pool writes every layer with the scatter (resident blocks
+    straight from the resident pool), never through the cache-update op, and
+    every step's caches equal, bit for bit, those the cache-update op writes
+    (keys not moved: as the pool holds them, signed zeros too); the same
+    blocks are placed from the resident pool. On CUDA (the Triton scatter,
+    the copy stream, a pinned pool) after the warm-up, which compiled every
+    kernel the restores launch."""
+    block = HostPool(1, LAYERS, BT, HEADS, D, torch.bfloat16).block_bytes
+    _, kernel_caches, kernel_context, kernel = _paged_setup(resident * block, device=device)
+    pool, op_caches, op_context, by_op = _paged_setup(resident * block, device=device)
+    assert kernel._scatter_views is not None
+    if device == "cuda":
+        kernel.warm_up()
+        by_op.warm_up()
+        compiled = _compiled_kernels()
+    for step, op in enumerate(_view_steps(deltas)):
+        kernel.start(kernel_context, step, [op], cache_views=True)
+        by_op.start(op_context, step, [op])
+        got, want = Counts(), Counts()
+        assert kernel.account("r", 0, got) == by_op.account("r", 0, want)
+        assert got.data == want.data
+        assert got.data["resident_blocks"] == ([0, 9, 6, 8][step] if resident else 0)
+        for name in kernel_caches:
+            assert torch.equal(kernel_caches[name].view(torch.int16), op_caches[name].view(torch.int16)), name
+        _check_rows(pool, {name: cache.cpu() for name, cache in op_caches.items()}, op)
+    assert all(layer.calls == 0 for layer in kernel_context.no_compile_layers.values())
+    assert all(layer.calls > 0 for layer in op_context.no_compile_layers.values())
+    if device == "cuda":
+        assert _compiled_kernels() == compiled
+
+
+def _check_rows(pool, caches, op):
+    """Every restored row of `op` at its paged slot, as the pool holds it (keys rotated by its deltas)."""
+    rows, slots = torch.from_numpy(op.host_rows), torch.from_numpy(op.paged_slots)
+    for layer, cache in enumerate(caches.values()):
+        key, value = pool.read_rows(layer, rows)
+        if op.rope_deltas is not None:
+            key = rotate_keys(key, torch.from_numpy(op.rope_deltas), ROPE)
+        got_k, got_v = cache[0].view(-1, HEADS, D)[slots], cache[1].view(-1, HEADS, D)[slots]
+        assert torch.equal(got_k.view(torch.int16), key.view(torch.int16)), f"layer {layer}"
+        assert torch.equal(got_v.view(torch.int16), value.view(torch.int16)), f"layer {layer}"
+
+
+def test_caches_the_scatter_cannot_take_keep_the_cache_update_op():
+    """Two caches for one layer index (the scatter writes one per layer), an
+    fp8 pool, or caches without K/V views: restores go through the
+    cache-update op even with `cache_views`."""
+    names = {f"model.layers.{i}.self_attn.attn": i for i in range(LAYERS)}
+    names["model.layers.0.cross_attn.attn"] = 0
+    _, _, context, restores = _paged_setup(0, names)
+    assert restores._scatter_views is None
+    restores.start(context, 1, [_view_steps(True)[0]], cache_views=True)
+    assert all(layer.calls > 0 for layer in context.no_compile_layers.values())
+    pool, caches, context, fp8 = _setup("batched", codec="fp8")
+    assert fp8._scatter_views is None
+    _, caches, context, flat = _setup("batched")  # [2, slots, heads, head_dim]: no paged views
+    assert flat._scatter_views is None

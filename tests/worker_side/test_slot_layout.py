@@ -3,7 +3,7 @@ copies): every restored row lands at its paged slot and delta, rows the op
 does not restore are skipped (-1), slots come in the op's order."""
 import numpy as np
 
-from vllm_sekv.worker_side.device_restores import slot_layout
+from vllm_sekv.worker_side.slot_layout import slot_layout
 
 BT = 4
 

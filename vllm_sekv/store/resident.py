@@ -5,16 +5,18 @@ Consecutive view steps of a session select mostly the same history blocks.
 `ResidentBlocks` keeps device copies of recently restored host slots,
 `data [capacity, 2, num_layers, block_tokens, kv_heads, head_dim]` in the host
 tier's own dtype and layout (keys at their virtual positions, fp8 bytes under
-an fp8 workspace, whose scales stay on the host): a restore fills a resident
-block's staging rows with a device copy instead of a host copy, and the
-block then takes the same re-RoPE and write as a moved one, so the result is
-the same, bit for bit.
+an fp8 workspace, whose scales stay on the host): a restore writes a
+resident block into the caches from its entry (or fills its staging rows
+with a device copy instead of a host copy, `store.transfer`), through the
+same re-RoPE and write as a moved block, so the result is the same, bit for
+bit.
 
 Which host slot an entry holds is bookkeeping on the host (`plan`, least
-recently used first out); the entries' bytes are written and read on the
-restore pipeline's copy stream only, in order, so no device synchronization
-is needed. The owner must `drop` a host slot before anything rewrites it
-(captures, NVMe and remote reads): an entry is never served stale.
+recently used first out); the entries' bytes are written on the restore
+pipeline's copy stream and read there or on the compute stream, ordered by
+the pipeline's events (`store.transfer`): no host synchronization is needed.
+The owner must `drop` a host slot before anything rewrites it (captures,
+NVMe and remote reads): an entry is never served stale.
 
 Runs in the worker process, on the forward thread.
 """

@@ -1,15 +1,15 @@
 """Restore pipeline: host pool slots -> paged KV caches, K re-RoPE'd. Pure torch.
 
-Three stages, overlapped batch by batch (`batch_blocks` workspace blocks each):
+Two stages, overlapped batch by batch (`batch_blocks` workspace blocks each):
 
 1. host -> device copy on the pipeline's own copy stream (non-blocking), one
    copy per run of consecutive slots straight from the pinned pool into one
    of `num_buffers` device staging buffers (the copy engine does the gather;
    scattered 4 MiB copies from pinned slots reach nearly the bandwidth of one
    large copy, so there is no host gather and no native code);
-2. scatter + re-RoPE (`vllm_sekv.ops.scatter_rerope`), or the caller's
-   `write`, on the caller's current (compute) stream, after a CUDA event of
-   stage 1.
+2. scatter + re-RoPE (`vllm_sekv.ops.scatter_rerope`, every layer in one
+   launch), or the caller's `write`, on the caller's current (compute)
+   stream, after a CUDA event of stage 1.
 
 Buffers are reused round-robin: the copy into a device buffer waits, on the
 copy stream, for the scatter that last read it, so batch i's copy overlaps
@@ -28,11 +28,33 @@ to the device and are handed to
 the scatter (`ops.scatter_rerope(..., scales=)`) or to `write` as a fourth
 argument, which dequantize there.
 
-Given `resident` (`store.resident.ResidentBlocks`), blocks kept on the device
-are copied into the staging buffer there instead of from the host, and moved
-ones are kept for later restores (a diff restore; the handle counts both):
-a batch's staging holds its moved blocks first, then its resident ones, and
-the batch's slot mapping and deltas are permuted to match.
+Given `resident` (`store.resident.ResidentBlocks`, a diff restore), blocks
+kept on the device take no host copy, and moved ones are kept for later
+restores (the handle counts both). Two ways:
+
+* placed (no `write` and an exact pool: the pipeline's own scatter into
+  `key_caches` / `value_caches`): the restore is planned as a whole; its
+  resident blocks are written straight from `resident.data` by one scatter
+  launch (`src_rows`: their entries), on the compute stream before the first
+  batch, with no staging; the moved blocks go in batches as above, one
+  scatter over each batch's staging rows. A restore of resident blocks only
+  copies nothing to the device but its index arrays;
+* staged (a `write`, or an fp8 pool, whose scales come from the host batch
+  by batch): a batch's staging holds its moved blocks first, then its
+  resident ones, copied there on the device (copy stream), and the batch's
+  slot mapping and deltas are permuted to match.
+
+`resident.data` on CUDA: admits (`index_copy_` from staging rows) write its
+entries on the copy stream; staged restores read them there too, placed
+ones on the compute stream. Within a restore no entry is both read and
+written: a host slot appears once in a restore, and `ResidentBlocks.plan`
+never hands a moved block the entry of a slot the restore holds (`keep`), so
+every entry a restore reads was admitted by an earlier one. Read after
+write: the placement launch waits for an event the copy stream records after
+the restore's index arrays, behind every copy-stream write of earlier
+restores. Write after read: a restore's copy stream waits for the compute
+stream, and for the last placement launch (should the current stream have
+changed), before its first admit.
 
 What each call mutates: the destination caches (at the given slots, on the
 compute stream), the pipeline's staging buffers, and `resident`'s entries.
@@ -161,6 +183,7 @@ class RestorePipeline:
         if self.is_cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._scatter_done: list[torch.cuda.Event | None] = [None] * num_buffers
+            self._placed_read: torch.cuda.Event | None = None  # after the last launch that read `resident.data`
             self.gatherer = None
         else:
             self.gatherer = HostGatherer(num_threads)
@@ -177,7 +200,7 @@ class RestorePipeline:
         key_caches: Sequence[torch.Tensor],
         value_caches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
-        delta_positions: torch.Tensor,
+        delta_positions: torch.Tensor | None,
         rope: RopeSpec,
         write: "Callable[..., None] | None" = None,
         scales: torch.Tensor | None = None,
@@ -185,10 +208,11 @@ class RestorePipeline:
     ) -> RestoreHandle:
         """Restore blocks `pool[host_slots[j]]` (j-th block = batch tokens
         `[j*block_tokens, (j+1)*block_tokens)`) into the caches at `slot_mapping`,
-        K rotated by `delta_positions`; both are `[len(host_slots) * block_tokens]`.
+        K rotated by `delta_positions`; both are `[len(host_slots) * block_tokens]`
+        (`delta_positions` None: keys are not moved, copied as they are).
 
         `write(staged_blocks, slot_mapping, delta_positions)`, if given, replaces
-        stage 3 (e.g. the platform's own cache-update op per layer); it is called
+        stage 2 (e.g. the platform's own cache-update op per layer); it is called
         per batch on the compute stream with the batch's staged blocks
         `[m, 2, layers, block_tokens, kv_heads, head_dim]` on the device, and
         `key_caches` / `value_caches` are then unused.
@@ -197,8 +221,9 @@ class RestorePipeline:
         exactly when the pool is fp8): `write` then gets the batch's scales as
         a fourth argument.
 
-        `resident`: blocks kept on the device (module doc); `host_slots` must
-        then be distinct.
+        `resident`: blocks kept on the device (module doc: placed without a
+        `write` from an exact pool, else staged); `host_slots` must then be
+        distinct.
 
         Non-blocking on CUDA; returns a handle whose event marks completion on
         the current stream. The pool's slots are read until then.
@@ -208,30 +233,46 @@ class RestorePipeline:
             raise ValueError(f"pool {tuple(pool.shape)} {pool.dtype} does not match {self.block_shape} {self.dtype}")
         if (scales is not None) != bool(self.scale_bytes):
             raise ValueError("scales are required with an fp8 pool, and only with one")
-        if slot_mapping.shape != (n * self.block_tokens,) or delta_positions.shape != (n * self.block_tokens,):
+        tokens = (n * self.block_tokens,)
+        if slot_mapping.shape != tokens or (delta_positions is not None and delta_positions.shape != tokens):
             raise ValueError(f"slot_mapping / delta_positions must be [{n * self.block_tokens}]")
         if any(not 0 <= s < pool.shape[0] for s in host_slots):
             raise ValueError("host slot out of range")
         slots_dev = slot_mapping.to(self.device, torch.int64)
-        deltas_dev = delta_positions.to(self.device, torch.int64)
+        deltas_dev = None if delta_positions is None else delta_positions.to(self.device, torch.int64)
         keep = set(host_slots) if resident is not None else set()  # what the restore reads from `resident`
         if resident is not None and len(keep) != n:
             raise ValueError("a restore with resident blocks takes distinct host slots")
+        place = resident is not None and write is None and scales is None  # resident blocks written in place
         if not self.is_cuda:
             return self._restore_cpu(pool, host_slots, key_caches, value_caches, slots_dev, deltas_dev, rope, write,
-                                     scales, resident, keep)
+                                     scales, resident, keep, place)
         if not cudart.is_page_locked(pool):
             raise ValueError("a CUDA restore reads a page-locked (pinned) host pool")
         compute = torch.cuda.current_stream(self.device)
         # The copies follow what the compute stream was told to wait for (the
-        # captures that wrote these slots, `CaptureWriter.order`).
+        # captures that wrote these slots, `CaptureWriter.order`), and the
+        # admits below follow the reads of the entries they overwrite.
         self.copy_stream.wait_stream(compute)
+        if self._placed_read is not None:
+            self.copy_stream.wait_event(self._placed_read)
         with torch.cuda.stream(self.copy_stream):  # the batches' index arrays: copied there, read on both
-            batches = _plan(host_slots, self.batch_blocks, self.block_tokens, resident, keep, self.device,
+            batches = _plan(host_slots, self.batch_blocks, self.block_tokens, resident, keep, self.device, place,
                             also_read_on=compute)
-        moved = placed = 0
-        for i, batch in enumerate(batches):
-            buf = i % len(self._dev)
+            planned = torch.cuda.Event() if place else None
+            if planned is not None:  # behind every earlier admit (module doc)
+                planned.record(self.copy_stream)
+        moved = placed = staged_batches = 0
+        for batch in batches:
+            if batch.in_place:
+                compute.wait_event(planned)
+                self._place(batch, resident, key_caches, value_caches, slots_dev, deltas_dev, rope)
+                self._placed_read = torch.cuda.Event()
+                self._placed_read.record(compute)
+                placed += batch.num_placed
+                continue
+            buf = staged_batches % len(self._dev)
+            staged_batches += 1
             staged = self._dev[buf][:len(batch.slots)]
             with torch.cuda.stream(self.copy_stream):
                 if self._scatter_done[buf] is not None:  # the scatter that last read this buffer
@@ -267,10 +308,22 @@ class RestorePipeline:
         else:
             ops.scatter_rerope(staged, key_caches, value_caches, slots, deltas, rope, scales=scales)
 
+    def _place(self, batch: "_Batch", resident: ResidentBlocks, key_caches, value_caches, slots, deltas,
+               rope) -> None:
+        """Write a batch of resident blocks straight from `resident.data` (one
+        scatter launch, its entries as the source rows; current stream)."""
+        batch_slots, batch_deltas = batch.tokens(slots, deltas, self.block_tokens)
+        ops.scatter_rerope(resident.data, key_caches, value_caches, batch_slots, batch_deltas, rope,
+                           src_rows=batch.placed_index)
+
     def _restore_cpu(self, pool, host_slots, key_caches, value_caches, slots, deltas, rope, write,
-                     scales, resident, keep) -> RestoreHandle:
+                     scales, resident, keep, place) -> RestoreHandle:
         moved = placed = 0
-        for batch in _plan(host_slots, self.batch_blocks, self.block_tokens, resident, keep, self.device):
+        for batch in _plan(host_slots, self.batch_blocks, self.block_tokens, resident, keep, self.device, place):
+            if batch.in_place:
+                self._place(batch, resident, key_caches, value_caches, slots, deltas, rope)
+                placed += batch.num_placed
+                continue
             staging = self._dev[0][:len(batch.slots)]
             self.gatherer.gather(pool, batch.moved_slots, staging)
             batch.keep(staging, resident)
@@ -290,37 +343,61 @@ class RestorePipeline:
 @dataclass
 class _Batch:
     """One batch of a restore in staging order: its moved blocks first
-    (`moved_slots`, copied from the host into staging rows 0..), then its
-    resident ones (copied on the device into the rows after them).
+    (copied from the host into staging rows 0..), then its resident ones.
+    Staged (`_plan` without `place`) those are copied on the device into the
+    staging rows after the moved ones; placed, a batch holds moved blocks
+    only, or resident ones only, written from `resident.data` itself
+    (`in_place`).
 
-    Its index arrays on the device (`_plan` moves every batch's in one copy):
+    `blocks`: the restore's indices of its blocks, in staging order. Its
+    index arrays on the device (`_plan` moves every batch's in one copy):
     `placed_index` (the resident entries to read), `admit_index` (the entries
-    that keep its first moved blocks), `token_rows` (the batch's token rows in
-    staging order; None when that is the batch's own order)."""
+    that keep its first moved blocks), `token_rows` (the restore's token rows
+    of `blocks`; None when they are one range in order)."""
 
-    b0: int
+    blocks: np.ndarray
     slots: list[int]  # host slots in staging order
-    moved_slots: list[int]
-    order: np.ndarray | None  # staging row -> index in the batch (None: the batch's own order)
-    placed_entries: list[int]
-    admit_entries: list[int]  # entries for moved_slots[:len(admit_entries)]
+    num_moved: int
+    placed_entries: list[int]  # entries of blocks[num_moved:]
+    admit_entries: list[int]  # entries for blocks[:len(admit_entries)]
+    in_place: bool = False  # resident blocks only, written from `resident.data` itself
     placed_index: torch.Tensor | None = None
     admit_index: torch.Tensor | None = None
     token_rows: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, host_slots: Sequence[int], b0: int, b1: int, resident: ResidentBlocks | None,
-           keep: set[int]) -> "_Batch":
+    def staged(cls, host_slots: Sequence[int], b0: int, b1: int, resident: ResidentBlocks | None,
+               keep: set[int]) -> "_Batch":
+        """The restore's blocks `[b0, b1)`, their resident ones staged after the moved ones."""
         slots = [int(s) for s in host_slots[b0:b1]]
         if resident is None:
-            return cls(b0, slots, slots, None, [], [])
+            return cls(np.arange(b0, b1), slots, len(slots), [], [])
         plan = resident.plan(slots, keep=keep)
-        order = np.asarray(plan.moved + [i for i, _ in plan.placed], dtype=np.int64)
-        if (order == np.arange(len(order))).all():
-            order = None
-        return cls(b0, [slots[i] for i in order] if order is not None else slots,
-                   [slots[i] for i in plan.moved], order,
+        order = plan.moved + [i for i, _ in plan.placed]
+        return cls(b0 + np.asarray(order, dtype=np.int64), [slots[i] for i in order], len(plan.moved),
                    [e for _, e in plan.placed], [e for _, e in plan.admit])
+
+    @classmethod
+    def placed_apart(cls, host_slots: Sequence[int], batch_blocks: int, resident: ResidentBlocks,
+                     keep: set[int]) -> list["_Batch"]:
+        """A restore planned as a whole: one batch of all its resident blocks
+        (first; none without any), then its moved ones, `batch_blocks` at a time."""
+        slots = [int(s) for s in host_slots]
+        plan = resident.plan(slots, keep=keep)
+        batches = []
+        if plan.placed:
+            blocks = np.asarray([i for i, _ in plan.placed], dtype=np.int64)
+            batches.append(cls(blocks, [slots[i] for i in blocks], 0, [e for _, e in plan.placed], [], True))
+        admitted = dict(plan.admit)  # the first moved blocks (as many as entries could be had)
+        for c in range(0, len(plan.moved), batch_blocks):
+            chunk = plan.moved[c:c + batch_blocks]
+            batches.append(cls(np.asarray(chunk, dtype=np.int64), [slots[i] for i in chunk], len(chunk), [],
+                               [admitted[i] for i in chunk if i in admitted]))
+        return batches
+
+    @property
+    def moved_slots(self) -> list[int]:
+        return self.slots[:self.num_moved]
 
     @property
     def num_placed(self) -> int:
@@ -328,8 +405,10 @@ class _Batch:
 
     def host_indices(self, block_tokens: int) -> list[np.ndarray]:
         """`placed_index`, `admit_index` and `token_rows` as host arrays (empty: none)."""
-        rows = np.empty(0, dtype=np.int64) if self.order is None else \
-            (self.order[:, None] * block_tokens + np.arange(block_tokens)[None, :]).reshape(-1)
+        b = self.blocks
+        in_order = len(b) == 0 or bool((b == np.arange(b[0], b[0] + len(b))).all())
+        rows = np.empty(0, dtype=np.int64) if in_order else \
+            (b[:, None] * block_tokens + np.arange(block_tokens)[None, :]).reshape(-1)
         return [np.asarray(self.placed_entries, dtype=np.int64), np.asarray(self.admit_entries, dtype=np.int64), rows]
 
     def keep(self, staged: torch.Tensor, resident: ResidentBlocks | None) -> None:
@@ -338,48 +417,58 @@ class _Batch:
         stream)."""
         if resident is None:
             return
-        m = len(self.moved_slots)
+        m = self.num_moved
         kept, rows = resident.data.view(torch.uint8), staged.view(torch.uint8)  # any dtype, fp8 included
         if self.placed_entries:
             torch.index_select(kept, 0, self.placed_index, out=rows[m:m + len(self.placed_entries)])
         if self.admit_entries:
             kept.index_copy_(0, self.admit_index, rows[:len(self.admit_entries)])
 
-    def tokens(self, slot_mapping: torch.Tensor, deltas: torch.Tensor,
-               block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's slot mapping and deltas, in staging order."""
-        lo, hi = self.b0 * block_tokens, (self.b0 + len(self.slots)) * block_tokens
+    def tokens(self, slot_mapping: torch.Tensor, deltas: torch.Tensor | None,
+               block_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch's slot mapping and deltas (None: None), in staging order."""
         if self.token_rows is None:
-            return slot_mapping[lo:hi], deltas[lo:hi]
-        return slot_mapping[lo:hi].index_select(0, self.token_rows), deltas[lo:hi].index_select(0, self.token_rows)
+            lo = int(self.blocks[0]) * block_tokens
+            hi = lo + len(self.blocks) * block_tokens
+            return slot_mapping[lo:hi], None if deltas is None else deltas[lo:hi]
+        rows = self.token_rows
+        return slot_mapping.index_select(0, rows), None if deltas is None else deltas.index_select(0, rows)
 
 
 def _plan(host_slots: Sequence[int], batch_blocks: int, block_tokens: int, resident: ResidentBlocks | None,
-          keep: set[int], device: torch.device, also_read_on: "torch.cuda.Stream | None" = None) -> list[_Batch]:
-    """A restore's batches, in order. With `resident` every batch is planned
-    up front (host bookkeeping: a batch's plan depends on the plans before it,
-    never on their copies) and all their index arrays go to the device in one
-    copy, on the current stream; `also_read_on`: another stream that reads
-    them (their memory is not reused before its reads). Not one copy per
-    batch and array: each goes through a pinned staging buffer, a host cost
-    per batch on the path that must only enqueue."""
+          keep: set[int], device: torch.device, place: bool = False,
+          also_read_on: "torch.cuda.Stream | None" = None) -> list[_Batch]:
+    """A restore's batches, in order: `_Batch.placed_apart` with `resident`
+    and `place`, else `_Batch.staged` ones of `batch_blocks`. With `resident`
+    every batch is planned up front (host bookkeeping: a batch's plan depends
+    on the plans before it, never on their copies) and all their index arrays
+    go to the device in one copy, on the current stream, each array at a
+    16-byte boundary (the scatter kernel specializes on pointer alignment);
+    `also_read_on`: another stream that reads them (their memory is not
+    reused before its reads). Not one copy per batch and array: each goes
+    through a pinned staging buffer, a host cost per batch on the path that
+    must only enqueue."""
     n = len(host_slots)
-    batches = [_Batch.of(host_slots, b0, min(n, b0 + batch_blocks), resident, keep)
-               for b0 in range(0, n, batch_blocks)]
+    if resident is not None and place:
+        batches = _Batch.placed_apart(host_slots, batch_blocks, resident, keep)
+    else:
+        batches = [_Batch.staged(host_slots, b0, min(n, b0 + batch_blocks), resident, keep)
+                   for b0 in range(0, n, batch_blocks)]
     if resident is None:
         return batches
     per_batch = [batch.host_indices(block_tokens) for batch in batches]
-    flat = np.concatenate([a for arrays in per_batch for a in arrays])
-    if not len(flat):
+    pieces, spans, at = [], [], 0
+    for a in (a for arrays in per_batch for a in arrays):
+        spans.append((at, len(a)))
+        pad = -len(a) % 2  # int64: an even start is a 16-byte one
+        pieces += [a, np.zeros(pad, dtype=np.int64)]
+        at += len(a) + pad
+    if not at:
         return batches
-    flat = to_device(flat, device)
+    flat = to_device(np.concatenate(pieces), device)
     if also_read_on is not None:
         flat.record_stream(also_read_on)
-    at = 0
-    for batch, arrays in zip(batches, per_batch):
-        views = []
-        for a in arrays:
-            views.append(flat[at:at + len(a)] if len(a) else None)
-            at += len(a)
-        batch.placed_index, batch.admit_index, batch.token_rows = views
+    views = iter([flat[lo:lo + m] if m else None for lo, m in spans])
+    for batch in batches:
+        batch.placed_index, batch.admit_index, batch.token_rows = next(views), next(views), next(views)
     return batches

@@ -1,6 +1,7 @@
 """The worker's restores on the device: planned host rows from the pinned
-pool into vLLM's paged caches, keys re-RoPE'd on the device, every write by
-the platform's own cache-update op (`LayerWriter`).
+pool into vLLM's paged caches, keys re-RoPE'd on the device, written by the
+platform's own cache-update op (`LayerWriter`) or, batched from an exact
+pool once the caches' K/V views are checked, by the scatter kernel.
 
 Two ways, per `restore_mode` (auto: layer by layer when the restored slots
 run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
@@ -19,12 +20,17 @@ run long enough, `LAYERWISE_MIN_RUN_BLOCKS`):
   start of another step (or other slots) is dropped: the stream its buffers
   belong to waits for its copies;
 * batched (`RestorePipeline`): whole slots, every layer written before the
-  forward. With `resident_bytes` (diff restores) every restore goes
-  batched (`restore_mode` auto; layerwise is refused at start-up), and the
-  blocks an earlier restore brought stay on the device (`ResidentBlocks`)
-  and are copied there; only the others cross PCIe. The worker drops the
-  slots each step rewrites (`drop_rewritten`) before any restore of the
-  step.
+  forward: by the cache-update op, per batch and layer, or, from an exact
+  pool once the capture has checked the caches' K/V views (`start`'s
+  `cache_views`) and the caches fit the kernel (`paged_views.scatter_views`),
+  by one scatter launch per batch into every layer. With `resident_bytes`
+  (diff restores) every restore goes batched (`restore_mode` auto;
+  layerwise is refused at start-up), and the blocks an earlier restore
+  brought stay on the device (`ResidentBlocks`): through the checked views
+  they are written from there, all of a restore's in one launch, else
+  copied into the staging there; only the others cross PCIe. The worker
+  drops the slots each step rewrites (`drop_rewritten`) before any restore
+  of the step.
 
 With an fp8 pool (`workspace_codec` fp8) both move the fp8 bytes and the
 slots' parameters; `LayerWriter` dequantizes them on the device in one pass
@@ -62,9 +68,11 @@ from vllm_sekv.store.capture import CaptureWriter
 from vllm_sekv.store.host_pool import HostPool, to_device
 from vllm_sekv.store.layerwise import LayerwiseRestore
 from vllm_sekv.store.resident import ResidentBlocks
-from vllm_sekv.store.slot_runs import mean_run_length, run_starts
+from vllm_sekv.store.slot_runs import mean_run_length
 from vllm_sekv.store.transfer import RestorePipeline
 from vllm_sekv.worker_side.layer_writer import ByteRoute, LayerWriter
+from vllm_sekv.worker_side.paged_views import byte_views, scatter_views
+from vllm_sekv.worker_side.slot_layout import slot_layout, slot_of_each_run
 from vllm_sekv.workspace.step_plan import RestoreOp
 
 # `restore_mode` "auto" goes layerwise when the restored host slots come in
@@ -100,48 +108,6 @@ def _uncovered(jobs: list[tuple[list[int], LayerwiseRestore]], num_ops: int) -> 
     """The indices of a step's `num_ops` restore ops that none of `jobs` restores."""
     covered = {i for indices, _ in jobs for i in indices}
     return [i for i in range(num_ops) if i not in covered]
-
-
-def _slot_of_each_run(slot_of_row: np.ndarray) -> np.ndarray:
-    """The slot of each run of rows that stay in one slot, in order."""
-    return slot_of_row[run_starts(slot_of_row, step=0)]
-
-
-def _byte_views(kv_caches: dict[str, torch.Tensor], layer_of: dict[str, int],
-                geometry: Any) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
-    """Each layer's caches' uint8 (K, V) views (`compat.paged_kv_byte_views`),
-    or None if a cache has none."""
-    views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for name, kv_cache in kv_caches.items():
-        pair = compat.paged_kv_byte_views(kv_cache, geometry.kv_heads, geometry.head_dim)
-        if pair is None:
-            return None
-        views.setdefault(layer_of[name], []).append(pair)
-    return views
-
-
-def slot_layout(host_rows: np.ndarray, paged_slots: np.ndarray, rope_deltas: np.ndarray | None,
-                block_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A restore op as whole host slots: (the slot of each run of the op's
-    rows that stay in one slot, in the op's order; the paged slot of each of
-    their tokens, -1 for tokens the op does not restore, which the
-    cache-update op skips; the RoPE delta of each token), from the op's runs
-    of rows in one slot."""
-    bt = block_tokens
-    slot_of_row = host_rows // bt
-    starts = run_starts(slot_of_row, step=0)
-    slots = slot_of_row[starts]
-    run_of_row = np.zeros(len(host_rows), dtype=np.int64)
-    run_of_row[starts[1:]] = 1
-    np.cumsum(run_of_row, out=run_of_row)
-    run_of_row *= bt
-    where = run_of_row + host_rows % bt
-    mapping = np.full(len(slots) * bt, -1, dtype=np.int64)
-    mapping[where] = paged_slots
-    deltas = np.zeros(len(slots) * bt, dtype=np.int64)
-    if rope_deltas is not None:
-        deltas[where] = rope_deltas
-    return slots, mapping, deltas
 
 
 def split_tail_rows(ops: list[RestoreOp], pool: HostPool) -> tuple[list[RestoreOp], list[RestoreOp]]:
@@ -208,7 +174,10 @@ class DeviceRestores:
         # requests' shares of its blocks.
         self._jobs: list[tuple[LayerwiseRestore, list[tuple[str, float]]]] = []
         self._head_start: HeadStart | None = None
-        self._byte_views = _byte_views(kv_caches, layer_of, geometry) if pool.layer_params is not None else None
+        self._byte_views = byte_views(kv_caches, layer_of, geometry) if pool.layer_params is not None else None
+        # what one scatter launch writes every layer through, for an exact pool (used once the views are checked)
+        self._scatter_views = scatter_views(kv_caches, layer_of, geometry, pool.data.dtype) \
+            if pool.scales is None else None
 
     def warm_up(self) -> None:
         """Run each restore path (batched, layer by layer; rotating or not) once on the pool's first
@@ -225,8 +194,9 @@ class DeviceRestores:
                 deltas = to_device(np.zeros(len(slots) * bt, dtype=np.int64), self.device)
                 for rerope in (True, False):
                     writer = LayerWriter({}, self.geometry, self.rope, rerope)
-                    self.pipeline.restore(self.pool.data, slots.tolist(), (), (), nowhere, deltas, self.rope,
-                                          write=writer.batch, scales=self.pool.scales)
+                    self.pipeline.restore(self.pool.data, slots.tolist(), (), (), nowhere, deltas if rerope else None,
+                                          self.rope, write=writer.batch, scales=self.pool.scales)
+                    self._warm_up_scatter(slots.tolist(), nowhere, deltas if rerope else None)
                     if self.layerwise_copies:
                         job = self._start_copies(slots)
                         job.write = writer
@@ -237,6 +207,19 @@ class DeviceRestores:
             logger.warning("sekv: the restores' warm-up failed (%s); the first restores compile their kernels", e)
             return
         logger.info("sekv: restore kernels ready in %.1f s", time.monotonic() - started)
+
+    def _warm_up_scatter(self, slots: list[int], nowhere: torch.Tensor, deltas: torch.Tensor | None) -> None:
+        """The scatter launches of a batched restore through the paged views
+        (`start`'s `cache_views`): staged blocks and, with a resident pool,
+        blocks placed from it (a second restore of `slots`, which are dropped
+        from the pool after)."""
+        if self._scatter_views is None:
+            return
+        for _ in range(1 if self.resident is None else 2):
+            self.pipeline.restore(self.pool.data, slots, *self._scatter_views, nowhere, deltas, self.rope,
+                                  resident=self.resident)
+        if self.resident is not None:
+            self.resident.drop(slots)
 
     @property
     def layerwise(self) -> bool:
@@ -346,7 +329,7 @@ class DeviceRestores:
     def _layout(self, ops: list[RestoreOp]) -> tuple[np.ndarray, list[np.ndarray], bool]:
         """(the host slots of `ops`' runs, in order; those of each op; whether
         they restore layer by layer, per `restore_mode`)."""
-        op_slots = [_slot_of_each_run(op.host_rows // self.block_tokens) for op in ops]
+        op_slots = [slot_of_each_run(op.host_rows // self.block_tokens) for op in ops]
         host_slots = np.concatenate(op_slots)
         return host_slots, op_slots, self._goes_layerwise(host_slots)
 
@@ -370,13 +353,17 @@ class DeviceRestores:
         return job
 
     def start(self, forward_context: Any, step_id: int, ops: list[RestoreOp],
-              cache_bytes: bool = False) -> list[RestoreTiming]:
+              cache_bytes: bool = False, cache_views: bool = False) -> list[RestoreTiming]:
         """Enqueue step `step_id`'s restores of `ops`: layer by layer (their
         first copies possibly begun by a head start) or batched; rows of
         incomplete fp8 blocks are written from their tails now. Returns the
         batched restores' timings (a layerwise one's comes from `finish`).
         `cache_bytes`: the caches' fp8 byte views are checked
-        (`ForwardCapture.bytes_checked`)."""
+        (`ForwardCapture.bytes_checked`); `cache_views`: their K/V views are
+        (`ForwardCapture.reads_paged`): batched restores of an exact pool then
+        write every layer through them in one scatter launch per batch
+        (`paged_views.scatter_views`), resident blocks straight from the
+        resident pool, where they fit the kernel."""
         ops, tails = split_tail_rows(ops, self.pool)
         self._write_tails(forward_context, tails)
         if not ops:
@@ -399,16 +386,19 @@ class DeviceRestores:
             return []
         self.capture_writer.order(self._current_stream())  # copy streams wait for it
         timings = []
+        views = self._scatter_views if cache_views else None
         for op in ops:
             slots, mapping, deltas = slot_layout(op.host_rows, op.paged_slots, op.rope_deltas, bt)
-            writer = self._writer(forward_context, op.rope_deltas is not None)
+            moves = op.rope_deltas is not None
+            write = None if views is not None else self._writer(forward_context, moves).batch
             timed = self.device.type == "cuda"  # timing events: CUDA only
             if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            handle = self.pipeline.restore(self.pool.data, slots.tolist(), (), (), to_device(mapping, self.device),
-                                           to_device(deltas, self.device), self.rope, write=writer.batch,
-                                           scales=self.pool.scales, resident=self._resident_for(slots))
+            mapping, deltas = to_device(mapping, self.device), to_device(deltas, self.device) if moves else None
+            handle = self.pipeline.restore(self.pool.data, slots.tolist(), *(views or ((), ())), mapping, deltas,
+                                           self.rope, write=write, scales=self.pool.scales,
+                                           resident=self._resident_for(slots))
             self._transfers[op.req_id] = (handle.num_bytes, handle.placed_blocks)
             if timed:
                 end.record()

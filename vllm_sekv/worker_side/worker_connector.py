@@ -261,7 +261,8 @@ class SekvWorkerSide:
         unhooked = not self._forward_begun and compat.full_graph_replay(forward_context)
         exact = [op for op in plan.restores if not op.lowrank]
         if self.restores is not None and exact:
-            self._device_reports += self.restores.start(forward_context, plan.step_id, exact, self.capture.bytes_checked)
+            checked = self.capture.bytes_checked, self.capture.reads_paged  # the caches' views found as written
+            self._device_reports += self.restores.start(forward_context, plan.step_id, exact, *checked)
             if unhooked:
                 self._end_layerwise()  # no layer will ask for its KV: all of it before the forward
         row_bytes = self.pool.block_bytes // self.config.block_tokens
@@ -322,9 +323,8 @@ class SekvWorkerSide:
             self.restores.load(layer_name)
 
     def _end_layerwise(self) -> None:
-        """Write every layer of this step's layerwise restores the forward did
-        not ask for (the cache never keeps stale KV); their timings go in the
-        step's report."""
+        """Write every layer of this step's layerwise restores the forward did not ask for (the cache never
+        keeps stale KV); their timings go in the step's report."""
         if self.restores is not None:
             self._device_reports += self.restores.finish()
 
