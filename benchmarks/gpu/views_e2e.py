@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -274,12 +275,19 @@ def run_engine(spec: dict, workdir: Path) -> list[dict]:
     return json.loads(Path(spec["out"]).read_text())
 
 
+def _card(machine: str | None) -> str:
+    """A row's GPU, from its machine line ("1 x NVIDIA H100 80GB HBM3; host ..."), versions left out."""
+    return re.sub(r"\s*\(.*?\)", "", (machine or "").split(";")[0]).strip()
+
+
 def plain_of(rows: list[dict], row: dict) -> dict | None:
     """The plain vLLM row `row` compares against: its own run's (same
-    commit and machine, in a merged report), else the first run's."""
+    commit and machine, in a merged report), else the first run's on the
+    same GPU; None if no run on that GPU measured plain vLLM."""
     plain = [r for r in rows if r["engine"] == "plain"]
     same = [r for r in plain if (r.get("commit"), r.get("machine")) == (row.get("commit"), row.get("machine"))]
-    return (same or plain or [None])[0]
+    card = [r for r in plain if _card(r.get("machine")) == _card(row.get("machine"))]
+    return (same or card or [None])[0]
 
 
 def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | None = None) -> None:
@@ -338,9 +346,10 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
             continue
         decode, run = r["decode"], f", run {r.get('commit') or '?'}" if by_run else ""
         ratio = decode["decode_s_per_token"] / plain["decode"]["decode_s_per_token"]
+        other = f" (run {plain.get('commit') or '?'})" if plain.get("commit") != r.get("commit") else ""
         lines += ["", f"Decode ({args.decode_tokens} tokens{run}): {r['engine']} at {r['session_tokens'] // 1024}K "
-                  f"session {decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K "
-                  f"{plain['decode']['decode_s_per_token'] * 1e3:.2f} ms/token: {ratio:.3f}x."]
+                  f"session {decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K"
+                  f"{other} {plain['decode']['decode_s_per_token'] * 1e3:.2f} ms/token: {ratio:.3f}x."]
     if plain_sync:
         line = (f"Plain vLLM with asynchronous scheduling off (`plain-sync`), same context: decode "
                 f"{plain_sync['decode']['decode_s_per_token'] * 1e3:.2f} ms/token")

@@ -30,7 +30,9 @@ def test_merged_runs_compare_each_row_with_its_own_runs_plain_vllm(views, tmp_pa
     rows = [_sekv("aaa", "H200", 524288, 0.3, 0.0071, "exact"), _plain("aaa", "H200", 0.04, 0.0069),
             _sekv("bbb", "H100", 1048576, 0.45, 0.0095, "fp8"), _plain("bbb", "H100", 0.03, 0.0091)]
     assert views.plain_of(rows, rows[2]) is rows[3]
-    assert views.plain_of(rows, {"engine": "sekv", "commit": "ccc"}) is rows[1]  # a run without one: the first
+    # a run without one: the first run's on the same GPU (versions aside), none on another
+    assert views.plain_of(rows, {"engine": "sekv", "commit": "ccc", "machine": "H100 (vLLM 0.26); host"}) is rows[3]
+    assert views.plain_of(rows, {"engine": "sekv", "commit": "ccc", "machine": "B200; host"}) is None
     args = argparse.Namespace(model_dir=None, cuda_graphs=True, view_tokens=65536, host_bytes="66G",
                               decode_tokens=128)
     meta = {"machine": "H200; H100", "commit": "aaa; bbb", "date": "today", "commands": ["merge"]}
