@@ -348,8 +348,9 @@ def report(rows: list[dict], args: argparse.Namespace, out: Path, meta: dict | N
         ratio = decode["decode_s_per_token"] / plain["decode"]["decode_s_per_token"]
         other = f" (run {plain.get('commit') or '?'})" if plain.get("commit") != r.get("commit") else ""
         lines += ["", f"Decode ({args.decode_tokens} tokens{run}): {r['engine']} at {r['session_tokens'] // 1024}K "
-                  f"session {decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain {plain['context_tokens'] // 1024}K"
-                  f"{other} {plain['decode']['decode_s_per_token'] * 1e3:.2f} ms/token: {ratio:.3f}x."]
+                  f"session {decode['decode_s_per_token'] * 1e3:.2f} ms/token vs plain "
+                  f"{plain['context_tokens'] // 1024}K{other} {plain['decode']['decode_s_per_token'] * 1e3:.2f} "
+                  f"ms/token: {ratio:.3f}x."]
     if plain_sync:
         line = (f"Plain vLLM with asynchronous scheduling off (`plain-sync`), same context: decode "
                 f"{plain_sync['decode']['decode_s_per_token'] * 1e3:.2f} ms/token")
