@@ -226,6 +226,7 @@ def scatter_rerope(
     vs = _common_strides(value_caches, "value cache")
     num_tokens = num_batch_blocks * block_tokens
     slots = slot_mapping.to(device=device, dtype=torch.int64, non_blocking=True)
+    # without deltas the kernel reads no cos/sin (`HAS_DELTA` off): any device tensor stands in for them
     cos, sin = rope_cos_sin(delta_positions, rope, device) if delta_positions is not None else (slots, slots)
     rows = None if src_rows is None else src_rows.to(device=device, dtype=torch.int64, non_blocking=True)
     heads_per_prog = max(1, min(heads_per_prog, kv_heads))
