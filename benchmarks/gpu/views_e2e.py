@@ -462,7 +462,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="profile one more step, and one more decode, at the largest size (host side)")
     ap.add_argument("--timers", action="store_true",
-                    help="host time per step and per decode token inside vLLM's and sekv's methods (host_timers.py)")
+                    help="host time per step and per decode token inside vLLM's and sekv's methods (host_timers.py; "
+                         "eager only)")
     ap.add_argument("--sync-audit", action="store_true",
                     help="count the synchronizing CUDA operations per step and decode token, by place (sync_audit.py)")
     ap.add_argument("--cuda-graphs", action="store_true",
@@ -470,6 +471,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(H.results_dir("gpu_views") / "report"), help="writes OUT.json and OUT.md")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only write the report from these runs' JSON")
     args = ap.parse_args()
+    if args.timers and args.cuda_graphs:  # the compiled forward would trace into the timers' wrappers
+        ap.error("--timers times eager steps: leave out --cuda-graphs")
     if args.merge:
         runs = [json.loads(Path(p).read_text()) for p in args.merge]
         for run in runs:  # a run written before the header existed: its command only
