@@ -21,6 +21,8 @@
 #   wait [S]        follow it for up to S seconds; trials and logs so far to $OUT/<its folder's name>
 #                   (FID=/tmp/fidN before `bash`: a second evaluation beside the first,
 #                   started once the first one's servers are up; its `wait` writes $OUT/fidN)
+#   spy [S]         sample the sekv servers' API server and engine core with py-spy (carried in base)
+#                   for S seconds while an evaluation runs; collapsed stacks to $OUT/spy
 #   restore [ARGS]  benchmarks/gpu/restore_e2e.py as in benchmarks/results/gpu_restore/ (`--codecs exact fp8`: both workspaces)
 #                   (64K and 127K; ARGS replace nothing, they are added), report to $OUT/restore.*
 #   views [ARGS]    benchmarks/gpu/views_e2e.py as in benchmarks/results/gpu_views/
@@ -167,6 +169,16 @@ case $step in
       > "$dest/servers.log" 2>/dev/null
     kill -0 "$pid" 2>/dev/null && state=running || state=finished
     log "$state: $(wc -l < "$FID/trials.jsonl" 2>/dev/null) trials"; tail -3 "$FID/run.log" ;;
+  spy)  # where a view server's time goes: py-spy's samples of each sekv server's processes
+    mkdir -p "$OUT/spy"
+    for api in $(pgrep -f 'kv_connector'); do  # `vllm serve` with a kv-transfer-config; its children: the engine core
+      for pid in "$api" $(pgrep -P "$api"); do
+        /tmp/site/bin/py-spy record --pid "$pid" --duration "${1:-60}" --rate 200 --idle --threads --nonblocking \
+          --format raw -o "$OUT/spy/$api-$pid.txt" > "$OUT/spy/$api-$pid.log" 2>&1 &
+      done
+    done
+    wait
+    log "sampled: $(ls "$OUT/spy" | tr '\n' ' ')"; tail -3 "$OUT"/spy/*.log ;;
   restore)  # the restore benchmark's current report (benchmarks/results/gpu_restore/report.md)
     wait_for_setup 300 || exit 1
     run restore 570 python3 benchmarks/gpu/restore_e2e.py --engines sekv-host native plain --lengths 65536 130944 \
