@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from test_planner import BT, PAGED, Engine, prefill_and_finish
+from vllm_sekv.workspace.passages import extent
 from vllm_sekv.workspace.view_passes import (
-    PassKind, ViewBudget, final_pass, first_pass, hop_probe, interleave_hops,
+    PassKind, ViewBudget, ViewPass, choose_blocks, final_pass, first_pass, hop_probe, interleave_hops,
 )
 
 BUDGET = ViewBudget(block_tokens=8, view_tokens=96, sink_tokens=8, recent_tokens=16)  # 12 blocks
@@ -328,3 +329,32 @@ def test_a_selection_limit_leaves_its_room_to_the_latest_history():
     assert ordered.token_ids(prompt) == limited.token_ids(prompt)
     # A hop probe reads the whole room: the limit is the answering view's.
     assert hop_probe(probe, scores, BUDGET).history_blocks == final_pass(probe, scores, BUDGET).history_blocks
+
+
+def _choose_by_extent(ranked, candidates, limit, room):
+    """`choose_blocks`' general loop with single-block extents, the fast path's reference."""
+    chosen = {}
+    for block in ranked:
+        for b in extent(block, 0):
+            if len(chosen) < min(limit, room) and b in candidates and b not in chosen:
+                chosen[b] = None
+        if len(chosen) >= min(limit, room):
+            break
+    return list(chosen)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_selection_of_single_blocks_takes_the_first_distinct_candidates(seed):
+    rng = np.random.default_rng(seed)
+    ranked = rng.integers(0, 60, size=80).tolist()  # repeats and blocks that are not candidates
+    candidates = set(rng.choice(60, size=40, replace=False).tolist())
+    limit, room = int(rng.integers(0, 30)), int(rng.integers(0, 30))
+    assert choose_blocks(ranked, candidates, limit, room) == _choose_by_extent(ranked, candidates, limit, room)
+
+
+@pytest.mark.parametrize("anchors", [(), (3, 41)])
+def test_a_pass_takes_its_tokens_at_their_virtual_positions(anchors):
+    prompt = list(range(5000, 5000 + 203))
+    view = ViewPass(PassKind.PROBE, 8, (0, 1, 4, 5, 6, 9, 17), 160, 30, anchors=anchors, recomputed=(18, 19))
+    positions = view.history_positions() + view.recomputed_positions() + list(range(160, 190))
+    assert view.token_ids(prompt) == [prompt[p] for p in positions] + [prompt[190]]  # + the sentinel

@@ -343,6 +343,16 @@ class BlockCatalog:
         if self.nvme_enabled:
             self._nvme_policy.touch_all(keys)
 
+    @staticmethod
+    def all_on_host(records: Iterable[BlockRecord]) -> bool:
+        """Whether every record has a host copy (read in or still being read)."""
+        return None not in map(operator.attrgetter("host_slot"), records)
+
+    @staticmethod
+    def any_loading(records: Iterable[BlockRecord]) -> bool:
+        """Whether the host copy of some record is still being read in."""
+        return any(map(operator.attrgetter("loading"), records))
+
     def pin(self, records: Iterable[BlockRecord]) -> None:
         for rec in records:
             rec.pins += 1

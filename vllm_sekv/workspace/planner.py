@@ -135,8 +135,9 @@ class WorkspacePlanner:
         return held
 
     def _promote(self, held: list[BlockRecord], st: RequestState) -> tuple[int, bool]:
-        """(leading blocks of `held` that are or will be on the host, whether
-        reads from NVMe or the remote tier are still running for some)."""
+        """(leading blocks of `held` on or coming to the host, whether NVMe or remote reads run for some)."""
+        if self.catalog.all_on_host(held):  # nothing to promote (the common case, without a Python loop)
+            return len(held), self.catalog.any_loading(held)
         usable, reading, pinned = 0, False, False
         try:
             for rec in held:
