@@ -7,6 +7,7 @@ native window back, is selected and answered. Over an fp8 paged cache
 import pytest
 
 from test_views_serve import ENV, VLLM_ARGS
+from testbed.hardware import FP8_CACHE_SKIP_REASON, fp8_kv_cache_supported
 from views_session import NATIVE_WINDOW, needle_block, run_reader_session
 from views_session import sekv_params as sekv
 
@@ -29,6 +30,8 @@ def test_a_view_from_the_fp8_workspace_answers_a_fact_beyond_the_native_window(s
 
 @pytest.fixture(scope="module")
 def session_over_fp8_cache(model_dir, eval_tasks):
+    if not fp8_kv_cache_supported():
+        pytest.skip(FP8_CACHE_SKIP_REASON)
     return run_reader_session(model_dir, eval_tasks, {"workspace_codec": "fp8"},
                               VLLM_ARGS + ["--kv-cache-dtype", "fp8"], ENV)
 

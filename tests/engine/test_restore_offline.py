@@ -14,6 +14,7 @@ case sekv stands in for. Both comparisons run.
 import pytest
 
 from engine_process import run_runner
+from testbed.hardware import FP8_CACHE_SKIP_REASON, fp8_kv_cache_supported
 
 pytestmark = pytest.mark.engine
 
@@ -152,10 +153,8 @@ def test_under_an_fp8_kv_cache_a_restore_gives_the_outputs_of_vllms_own_prefix_c
     Plain vLLM prefilling everything is no exact reference here: its history K/V come from a longer prefill, whose float32 rounding
     differs in the last bits, and a last-bit difference at an fp8 rounding
     boundary moves a value by a whole fp8 step."""
-    import torch
-
-    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        pytest.skip("vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache")
+    if not fp8_kv_cache_supported():
+        pytest.skip(FP8_CACHE_SKIP_REASON)
     page = {**SEKV, "block_tokens": VLLM_CPU_PAGE_TOKENS, "sink_tokens": VLLM_CPU_PAGE_TOKENS,
             "workspace_codec": codec}
     warm = run_session(tmp_path, model_dir, essay, page, "float32", reset=False, kv_cache_dtype="fp8")

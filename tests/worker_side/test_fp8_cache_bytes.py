@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from testbed.hardware import FP8_CACHE_SKIP_REASON, cpu_attention_holds_fp8
 from vllm_sekv import compat
 from vllm_sekv.model_identity import KVGeometry
 from vllm_sekv.ops import RopeSpec, rotate_keys
@@ -31,8 +32,7 @@ K_SCALES, V_SCALES = [1.0, 0.5, 2.0], [1.0, 1.0, 0.25]
 ops = pytest.importorskip("vllm._custom_ops")
 pytestmark = [
     pytest.mark.skipif(not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"), reason="needs vLLM's CPU build"),
-    pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
-                       reason="vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache"),
+    pytest.mark.skipif(not cpu_attention_holds_fp8(), reason=FP8_CACHE_SKIP_REASON),
 ]
 
 
