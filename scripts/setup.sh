@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 VENV="${SEKV_VENV:-.venv}"
 PY="$VENV/bin/python"
 
-if [ ! -x "$PY" ]; then
+if ! "$PY" -m pip --version >/dev/null 2>&1; then  # none yet, or one left half-made
   echo "[setup] creating $VENV"
-  python3 -m venv "$VENV"
+  python3 -m venv --clear "$VENV"
 fi
 pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
 

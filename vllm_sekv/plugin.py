@@ -11,7 +11,8 @@ What it switches on: the `sekv` KV connector (used when the user passes
 (a wrapper around the platform's attention backend that captures K/V and
 shows queries to the connector; it does nothing unless the sekv connector is
 active), with the same flag, the sekv scheduler (execution views), the
-check of every request's sekv parameters (a bad one gets an HTTP 400), and a
+check of every request's sekv parameters (a bad one gets an HTTP 400), chat
+prompts tokenized from the tokens of the recent prompt they extend, and a
 KV cache sized for views (it must hold the model's window, not
 `--max-model-len`: a session may be far longer than the cache).
 """
@@ -32,6 +33,7 @@ def register() -> None:
     compat.register_attention_hook()
     compat.install_scheduler_default(CONNECTOR_NAME)
     compat.install_request_validation(CONNECTOR_NAME, _check_request)
+    compat.install_prompt_token_reuse(CONNECTOR_NAME, _reuse_prompt_tokens)
     compat.size_kv_cache_for_views(CONNECTOR_NAME, compat.native_window_tokens)
     _registered = True
 
@@ -50,3 +52,20 @@ def _check_request(vllm_config, kv_transfer_params, extra_args, session_id) -> N
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         _limits[key] = (SekvConfig.from_sources(extra), compat.native_window_tokens(vllm_config))
     check(*_limits[key], kv_transfer_params, extra_args, session_id)
+
+
+_reused_tokens = None  # the API server's counter of prompt tokens taken from recent prompts
+
+
+def _reuse_prompt_tokens(tokenizer) -> None:
+    """The API side's chat tokenizing through a `PromptTokenCache`, counted in
+    `vllm:sekv_prompt_tokens_reused_total` on the server's `/metrics`."""
+    global _reused_tokens
+    from prometheus_client import Counter
+
+    from vllm_sekv.prompt_tokens import reuse_prompt_tokens
+
+    if _reused_tokens is None:
+        _reused_tokens = Counter("vllm:sekv_prompt_tokens_reused",
+                                 "Chat prompt tokens taken from a recent prompt's tokens instead of tokenized")
+    reuse_prompt_tokens(tokenizer, on_reuse=_reused_tokens.inc)

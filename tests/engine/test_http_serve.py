@@ -138,6 +138,16 @@ def test_connector_stats_reach_prometheus(sessions):
     assert values and sum(values) == restored
 
 
+def test_the_api_server_tokenizes_a_growing_chat_from_its_last_prompts_tokens(sessions):
+    """Step 3 of a session takes its history's tokens from step 2's prompt
+    (all of it before step 2's generation prompt) instead of tokenizing it
+    again; its prompt and answer equal plain vLLM's (above)."""
+    _, sekv, _, _, metrics, _ = sessions
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:sekv_prompt_tokens_reused_total")]
+    assert values and values[0] >= sekv[1]["usage"]["prompt_tokens"] - 8
+
+
 def test_bad_config_fails_at_start_naming_the_key(model_dir):
     server = LocalServer(model_dir, sekv={"host_bytes": "lots"}, vllm_args=VLLM_ARGS, env=ENV)
     with pytest.raises(RuntimeError, match="server exited"):

@@ -34,6 +34,7 @@ from vllm_sekv.compat.engine_access import (
 from vllm_sekv.compat.patches import (
     hash_views_opaquely,
     hide_from_prefix_cache,
+    install_prompt_token_reuse,
     install_request_validation,
     install_scheduler_default,
     register_attention_hook,
@@ -47,9 +48,10 @@ from vllm_sekv.compat.versions import full_graph_replay, full_graph_slot_mapping
 __all__ = [
     "active_connector", "attention_backend_base", "attention_layer", "cached_request_updates", "clamp_max_tokens",
     "finished_tokens", "full_graph_replay", "full_graph_slot_mapping", "hash_views_opaquely",
-    "hide_from_prefix_cache", "install_request_validation", "install_scheduler_default", "is_known_request",
-    "kv_cache_block_size", "kv_cache_scales", "kv_capacity_tokens", "kv_update_replayed_from_cuda_graphs",
-    "layer_index", "model_of_caller", "native_window_tokens", "new_request_block_ids", "paged_kv_byte_views",
-    "paged_kv_views", "prefill_cap_mixin", "register_attention_hook", "register_connector", "request_cache_salt",
-    "restart_request", "rewrite_request", "sekv_scheduler_cls", "size_kv_cache_for_views", "worker_rank",
+    "hide_from_prefix_cache", "install_prompt_token_reuse", "install_request_validation", "install_scheduler_default",
+    "is_known_request", "kv_cache_block_size", "kv_cache_scales", "kv_capacity_tokens",
+    "kv_update_replayed_from_cuda_graphs", "layer_index", "model_of_caller", "native_window_tokens",
+    "new_request_block_ids", "paged_kv_byte_views", "paged_kv_views", "prefill_cap_mixin", "register_attention_hook",
+    "register_connector", "request_cache_salt", "restart_request", "rewrite_request", "sekv_scheduler_cls",
+    "size_kv_cache_for_views", "worker_rank",
 ]

@@ -6,6 +6,9 @@
   sekv connector flag also selects the sekv scheduler.
 * `install_request_validation`: wraps `InputProcessor.process_inputs` so that
   invalid sekv request parameters are an HTTP 400 before the engine.
+* `install_prompt_token_reuse`: wraps `HfRenderer.__init__` so that a sekv
+  server's API server tokenizes a chat prompt that extends a recent one from
+  the recent one's tokens (`vllm_sekv.prompt_tokens`).
 * `hash_views_opaquely`: wraps the engine core's `get_request_block_hasher`
   so that requests served from views skip prefix-cache hashing.
 * `size_kv_cache_for_views`: wraps the engine core's `get_kv_cache_configs`
@@ -111,6 +114,29 @@ def install_request_validation(connector_name: str, check: Any) -> None:
 
     process_inputs._sekv_wrapped = True  # type: ignore[attr-defined]
     InputProcessor.process_inputs = process_inputs
+
+def install_prompt_token_reuse(connector_name: str, reuse: Any) -> None:
+    """Let a sekv server's API server tokenize only what is new in a prompt.
+
+    Wraps `HfRenderer.__init__` (once per process; the class vLLM renders chat
+    prompts with for Hugging Face tokenizers, in both versions): a renderer
+    of a server whose KV connector is `connector_name` calls `reuse(tokenizer)`
+    on its own tokenizer object (the renderer copies the shared one), which
+    changes how that object's `apply_chat_template` tokenizes, never what."""
+    from vllm.renderers.hf import HfRenderer
+
+    original = HfRenderer.__init__
+    if getattr(original, "_sekv_wrapped", False):
+        return
+
+    def __init__(self: Any, config: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, config, tokenizer, *args, **kwargs)
+        ktc = config.kv_transfer_config
+        if ktc is not None and ktc.kv_connector == connector_name and self.tokenizer is not None:
+            reuse(self.tokenizer)
+
+    __init__._sekv_wrapped = True  # type: ignore[attr-defined]
+    HfRenderer.__init__ = __init__
 
 def size_kv_cache_for_views(connector_name: str, window_tokens: Any) -> None:
     """Let a sekv server's `max_model_len` exceed what its KV cache holds.
