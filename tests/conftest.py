@@ -8,6 +8,10 @@ import pytest
 # vLLM on CPU: size its KV cache explicitly (GiB) for tests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# An engine's worker runs inside its engine-core process, as on one GPU (vLLM's
+# CPU build would start a worker process: one more import of vLLM per server).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 # Under pytest-xdist (`scripts/run_tests.sh` runs two files at a time) every
 # engine this worker starts computes on one OpenMP thread, unbound: vLLM would
 # otherwise bind each engine's threads to all the cores, and two engines'

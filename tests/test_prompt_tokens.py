@@ -111,7 +111,24 @@ def test_a_small_bound_drops_the_oldest_and_stays_exact(tokenizer):
     cache = PromptTokenCache.for_tokenizer(tokenizer, min_chars=256, max_bytes=64 << 10)
     for messages in sessions:
         cache.encode(tokenizer.apply_chat_template(messages, tokenize=False))
-    assert cache._bytes <= 64 << 10 and len(cache._prompts) < len(sessions)
+    assert 0 < cache.kept_bytes <= 64 << 10 and 0 < len(cache) < len(sessions)
+
+
+def test_vllms_prompt_call_goes_through_the_cache_and_truncates_as_before(tokenizer):
+    tok, reused = wrapped(tokenizer, min_chars=256)
+    rng = random.Random(11)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text_of(rng, 60)}], tokenize=False)
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # as vLLM's renderer asks: truncation at one more than the prompt may hold
+    assert tok(text, add_special_tokens=False, truncation=True, max_length=len(whole) + 1)["input_ids"] == whole
+    longer = text + "<|im_start|>user\n" + text_of(rng, 5)
+    assert tok(longer, add_special_tokens=False, truncation=True, max_length=10**6)["input_ids"] == \
+        tokenizer(longer, add_special_tokens=False)["input_ids"]
+    assert reused and reused[-1] >= len(whole) - 8
+    for kw in ({"truncation": True, "max_length": 10}, {"max_length": 10}):  # truncated: as the tokenizer does
+        assert tok(longer, add_special_tokens=False, **kw)["input_ids"] == \
+            tokenizer(longer, add_special_tokens=False, **kw)["input_ids"]
+    assert type(tok).__name__.startswith("PromptReusing") and type(tokenizer).__name__ != type(tok).__name__
 
 
 def test_other_calls_pass_through(tokenizer):

@@ -18,6 +18,8 @@ KV cache sized for views (it must hold the model's window, not
 """
 from __future__ import annotations
 
+import threading
+
 from vllm_sekv import CONNECTOR_NAME
 
 _registered = False
@@ -54,18 +56,38 @@ def _check_request(vllm_config, kv_transfer_params, extra_args, session_id) -> N
     check(*_limits[key], kv_transfer_params, extra_args, session_id)
 
 
-_reused_tokens = None  # the API server's counter of prompt tokens taken from recent prompts
+class _PromptTokensReused:
+    """`vllm:sekv_prompt_tokens_reused_total` on the API server's `/metrics`.
+    A collector rather than a `prometheus_client.Counter`: vLLM's stat logger,
+    made after the renderer, unregisters every `vllm:` Counter it finds."""
+
+    HELP = "Prompt tokens an API server took from a recent prompt's tokens instead of tokenizing them"
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self.total += tokens
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily("vllm:sekv_prompt_tokens_reused", self.HELP, value=self.total)
+
+
+_reused_tokens: _PromptTokensReused | None = None
 
 
 def _reuse_prompt_tokens(tokenizer) -> None:
-    """The API side's chat tokenizing through a `PromptTokenCache`, counted in
-    `vllm:sekv_prompt_tokens_reused_total` on the server's `/metrics`."""
+    """The API side's prompt tokenizing through a `PromptTokenCache`."""
     global _reused_tokens
-    from prometheus_client import Counter
+    from prometheus_client import REGISTRY
 
     from vllm_sekv.prompt_tokens import reuse_prompt_tokens
 
     if _reused_tokens is None:
-        _reused_tokens = Counter("vllm:sekv_prompt_tokens_reused",
-                                 "Chat prompt tokens taken from a recent prompt's tokens instead of tokenized")
-    reuse_prompt_tokens(tokenizer, on_reuse=_reused_tokens.inc)
+        _reused_tokens = _PromptTokensReused()
+        REGISTRY.register(_reused_tokens)
+    reuse_prompt_tokens(tokenizer, on_reuse=_reused_tokens.add)

@@ -42,8 +42,8 @@ MIN_CHARS = 4096
 milliseconds."""
 
 MAX_BYTES = 256 << 20
-"""The cache's bound on the prompts it keeps (text and ids): 32 prompts of a
-million tokens, about 500 of 131K."""
+"""The cache's bound on the prompts it keeps (text and ids): about 32 prompts
+of a million tokens, 250 of 131K."""
 
 
 def markers_of(tokenizer: Any) -> dict[str, int]:
@@ -89,13 +89,16 @@ class _Prompt:
 class PromptTokenCache:
     """Token ids of recent long prompts, re-used for prompts that extend them."""
 
-    def __init__(self, tokenizer: Any, markers: dict[str, int], *, min_chars: int = MIN_CHARS,
-                 max_bytes: int = MAX_BYTES, on_reuse: Callable[[int], None] | None = None):
-        """`on_reuse(n)` is told of every prompt that took `n` tokens from a
+    def __init__(self, tokenize: Callable[[str], list[int]], markers: dict[str, int], *,
+                 min_chars: int = MIN_CHARS, max_bytes: int = MAX_BYTES,
+                 on_reuse: Callable[[int], None] | None = None):
+        """`tokenize(text)`: the tokenizer's ids of `text` without added
+        special tokens; `markers` from `markers_of` that tokenizer;
+        `on_reuse(n)` is told of every prompt that took `n` tokens from a
         kept one."""
         if not markers:
             raise ValueError("PromptTokenCache needs at least one marker token")
-        self.tokenizer = tokenizer
+        self._tokenize = tokenize
         self.min_chars, self.max_bytes = min_chars, max_bytes
         self._ids_of = markers
         self._marker_ids = np.fromiter(markers.values(), dtype=np.int32)
@@ -105,14 +108,24 @@ class PromptTokenCache:
         self._lock = threading.Lock()
         self._on_reuse = on_reuse
 
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._bytes
+
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, **kwargs: Any) -> PromptTokenCache | None:
+        """A cache over `tokenizer`'s own calls, or None where it has no marker."""
         markers = markers_of(tokenizer)
-        return cls(tokenizer, markers, **kwargs) if markers else None
+        if not markers:
+            return None
+        return cls(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], markers, **kwargs)
 
     def encode(self, text: str) -> list[int]:
-        """`tokenizer(text, add_special_tokens=False)["input_ids"]`, from a
-        kept prompt's ids wherever one shares a marker-ended prefix."""
+        """`tokenize(text)`, from a kept prompt's ids wherever one shares a
+        marker-ended prefix."""
         if len(text) < self.min_chars:
             return self._tokenize(text)
         with self._lock:
@@ -129,9 +142,6 @@ class PromptTokenCache:
         if self._on_reuse is not None:
             self._on_reuse(j)
         return ids.tolist()
-
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _longest_reusable(self, text: str) -> tuple[_Prompt | None, int]:
         """The kept prompt sharing the longest marker-ended prefix with `text`
@@ -193,31 +203,55 @@ def _shared_prefix(a: str, b: str, limit: int) -> int:
     return lo
 
 
-_PLAIN_TOKENIZING = {"padding": False, "truncation": False, "max_length": None, "return_tensors": None,
-                     "return_assistant_tokens_mask": False, "tokenizer_kwargs": None}
+_PLAIN_KEYWORDS = {"add_special_tokens", "truncation", "max_length", "padding", "return_tensors"}
 
 
 def reuse_prompt_tokens(tokenizer: Any, **kwargs: Any) -> PromptTokenCache | None:
-    """Make `tokenizer.apply_chat_template` tokenize through a
-    `PromptTokenCache` (on this tokenizer object only) where it is called as
-    vLLM's renderer calls it: one conversation, `tokenize=True`,
-    `return_dict=False`, no padding, truncation or tensors. It renders the
-    text as before and returns the same ids; any other call passes through.
-    Returns the cache, or None for a tokenizer it cannot serve exactly."""
-    cache = PromptTokenCache.for_tokenizer(tokenizer, **kwargs)
-    if cache is None:
+    """Make `tokenizer` (this object, and copies made of it from now on)
+    encode long single texts through a `PromptTokenCache` where it is called
+    as vLLM's renderer calls it: `tokenizer(text, add_special_tokens=False,
+    truncation=..., max_length=...)` (the rendered chat prompt; also what
+    `apply_chat_template(tokenize=True)` calls). The ids are the same; a
+    result longer than `max_length` under truncation, and every other call,
+    goes to the tokenizer as before. As vLLM wraps its tokenizers, by giving
+    the object a subclass of its class. Returns the cache, or None (and
+    changes nothing) for a tokenizer it cannot serve exactly."""
+    from transformers import BatchEncoding
+
+    base = type(tokenizer)
+    if set(getattr(tokenizer, "model_input_names", ())) - {"input_ids", "attention_mask"}:
         return None
-    render = tokenizer.apply_chat_template
+    markers = markers_of(tokenizer)
+    if not markers:
+        return None
+    cache = PromptTokenCache(lambda text: base.__call__(tokenizer, text, add_special_tokens=False)["input_ids"],
+                             markers, **kwargs)
 
-    def apply_chat_template(conversation: Any = None, *args: Any, **kw: Any) -> Any:
-        if conversation is None:
-            conversation = kw.pop("conversation")
-        plain = (not args and kw.get("tokenize", True) and kw.get("return_dict") is False
-                 and all(kw.get(key, default) == default for key, default in _PLAIN_TOKENIZING.items())
-                 and conversation and isinstance(conversation[0], dict))
-        if not plain:
-            return render(conversation, *args, **kw)
-        return cache.encode(render(conversation, **{**kw, "tokenize": False}))
+    class PromptReusingTokenizer(base):  # type: ignore[misc, valid-type]
+        def __call__(self, text: Any = None, *args: Any, **kw: Any) -> Any:
+            if isinstance(text, str) and len(text) >= cache.min_chars and not args and _plain(kw):
+                ids = cache.encode(text)
+                if len(ids) <= _truncated_at(self, kw):
+                    return BatchEncoding({"input_ids": ids, "attention_mask": [1] * len(ids)})
+            return super().__call__(text, *args, **kw)
 
-    tokenizer.apply_chat_template = apply_chat_template
+    PromptReusingTokenizer.__name__ = f"PromptReusing{base.__name__}"
+    tokenizer.__class__ = PromptReusingTokenizer
     return cache
+
+
+def _plain(kw: dict[str, Any]) -> bool:
+    """Whether a call's keywords are those vLLM tokenizes a prompt with."""
+    return (kw.get("add_special_tokens", True) is False and kw.get("truncation") in (None, False, True)
+            and kw.get("padding") in (None, False, "do_not_pad") and kw.get("return_tensors") is None
+            and set(kw) <= _PLAIN_KEYWORDS)
+
+
+def _truncated_at(tokenizer: Any, kw: dict[str, Any]) -> float:
+    """The length beyond which the call's keywords truncate (Hugging Face's
+    rules: `max_length` alone truncates too; `truncation=True` alone, at the
+    tokenizer's `model_max_length`)."""
+    truncation, max_length = kw.get("truncation"), kw.get("max_length")
+    if truncation is False or (truncation is None and max_length is None):
+        return float("inf")
+    return max_length if max_length is not None else tokenizer.model_max_length
