@@ -18,13 +18,14 @@ occurrence of it is split out as that one token. So where two texts agree up
 to the end of a marker that starts at character `p`, both split at `p`, and
 `tokens(text) == tokens(recent)[:j] + tokens(text[p:])`, `j` being the
 marker's token index in the recent prompt. A tokenizer that is not a fast
-one, or that has no marker, is never wrapped (`for_tokenizer` returns None),
-and a text whose markers and marker tokens do not pair up one to one is not
-kept.
+one, or that has no marker, is left as it is (`reuse_prompt_tokens` returns
+None), and a text whose markers and marker tokens do not pair up one to one
+is not kept.
 
-Contract: `encode(text)` equals `tokenizer(text, add_special_tokens=False)
-["input_ids"]`, for every text. Thread-safe: vLLM's renderer tokenizes on a
-pool of threads.
+Contract: `PromptTokenCache.encode(text)` equals the tokenizer's ids of
+`text` without added special tokens, for every text, and a tokenizer given
+to `reuse_prompt_tokens` returns what it returned before for every call.
+Thread-safe: vLLM's renderer tokenizes on a pool of threads.
 """
 from __future__ import annotations
 
