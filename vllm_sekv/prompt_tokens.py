@@ -2,7 +2,7 @@
 
 An agent sends its whole conversation with every step, and vLLM's API server
 renders it with the chat template and tokenizes the whole string before the
-engine sees the request: about 0.35 s for a 131K-token prompt on one CPU
+engine sees the request: 0.35-0.5 s for a 131K-token prompt on one CPU
 core, inside the step's time to first token, for a view step whose own work
 is a fraction of that. `PromptTokenCache` keeps the token ids of recent long
 prompts and tokenizes a new prompt as a recent prompt's ids up to the last
