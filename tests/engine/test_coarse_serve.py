@@ -1,6 +1,6 @@
 """SeKV coarse summaries and lowrank restores through a real `vllm serve`.
 
-One server (SmolLM2, bf16, CPU) with surprisal, coarse attention and
+One server (SmolLM2, float32, CPU) with surprisal, coarse attention and
 `restore_codec` lowrank(8) on serves one 6K-token passkey prompt from
 2048-token views twice: with summaries (the server's setting) and with the
 request opting out (`kv_transfer_params {"coarse": false}`), whose view then
@@ -17,7 +17,7 @@ from testbed.serving import LocalServer
 
 pytestmark = pytest.mark.engine
 
-VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
+VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "float32", "--gpu-memory-utilization", "0.5"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "SEKV_HOST_BYTES": "1G"}
 VIEW_TOKENS = 2048
 SEKV = {"surprisal": "on", "coarse": "on", "coarse_percent": 10, "restore_codec": "lowrank(8)",
@@ -92,7 +92,7 @@ def test_lowrank_restores_move_fewer_bytes_than_exact_ones(served, model_dir):
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     row_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (
-        cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
+        cfg["hidden_size"] // cfg["num_attention_heads"]) * 4  # K and V, float32
     _, (delta, _) = served
     restored = delta["vllm:sekv_restored_tokens_total"]
     assert restored > 0

@@ -5,7 +5,7 @@ of the training-free Mean-K scores, which changes what a view selects; with
 `restore_codec` "router" its tiers also set the rank each selected block
 moves at.
 
-Two servers (SmolLM2, bf16, CPU), each serving one 6K-token passkey prompt
+Two servers (SmolLM2, float32, CPU), each serving one 6K-token passkey prompt
 from 2048-token views with surprisal on: one with the router (and its ranks),
 one scoring the same surprisal-weighted block means training-free
 (`wmean_pre`, `max`).
@@ -21,7 +21,7 @@ from testbed.serving import LocalServer
 pytestmark = pytest.mark.engine
 
 ROUTER = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "router_calibration" / "router_smollm2.pt"
-VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
+VLLM_ARGS = ["--max-model-len", "8192", "--enforce-eager", "--dtype", "float32", "--gpu-memory-utilization", "0.5"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "SEKV_HOST_BYTES": "1G"}
 VIEW_TOKENS = 2048
 
@@ -75,7 +75,7 @@ def test_the_routers_tiers_set_the_rank_each_selected_block_moves_at(replies, mo
     # The factors moved fewer bytes than the restored rows' exact KV.
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     row_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (
-        cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
+        cfg["hidden_size"] // cfg["num_attention_heads"]) * 4  # K and V, float32
     restored = delta["vllm:sekv_restored_tokens_total"]
     assert 0 < delta["vllm:sekv_restored_bytes_total"] < restored * row_bytes
 

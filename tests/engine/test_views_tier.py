@@ -1,7 +1,7 @@
 """Sessions that take turns on a host tier too small for both, through a real
-`vllm serve` (SmolLM2, bf16).
+`vllm serve` (SmolLM2, float32).
 
-The tier (300 MB) holds about 1.6 of these 8K-token sessions, and an ingest
+The tier (600 MB) holds about 1.6 of these 8K-token sessions, and an ingest
 pass spans several engine steps (1024 tokens each). The first session's
 history, used at every step, is what the SLRU policy protects; a
 second session's history must still fit whole while it is ingested: its own
@@ -16,15 +16,15 @@ from testbed.serving import LocalServer
 pytestmark = pytest.mark.engine
 
 VLLM_ARGS = ["--max-model-len", "16384", "--max-num-batched-tokens", "1024", "--enforce-eager",
-             "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]
-ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+             "--dtype", "float32", "--gpu-memory-utilization", "0.5"]
+ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def test_a_second_session_is_ingested_whole_beside_an_idle_one(model_dir, eval_tasks):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    with LocalServer(model_dir, sekv={"host_bytes": "300M", "view_tokens": 2048}, vllm_args=VLLM_ARGS,
+    with LocalServer(model_dir, sekv={"host_bytes": "600M", "view_tokens": 2048}, vllm_args=VLLM_ARGS,
                      env=ENV) as server:
         views = []
         for seed, steps in ((3, 2), (4, 1)):  # the first session used twice: its blocks are protected
