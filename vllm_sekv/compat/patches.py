@@ -31,9 +31,7 @@ from typing import Any
 # picks for standard attention (FLASH_ATTN on Hopper, then FlashInfer, Triton).
 _HOOKED_BACKENDS = {"cpu": ("CPU_ATTN",), "cuda": ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")}
 
-
 _WRAPPER_MODULE = "vllm_sekv.attention.backend"
-
 
 def register_attention_hook() -> None:
     """Point the platform's attention backends at sekv wrappers around them.
@@ -54,19 +52,15 @@ def register_attention_hook() -> None:
         base_name = member.value.rsplit(".", 1)[1]
         register_backend(member, f"{_WRAPPER_MODULE}.Sekv{base_name}")
 
-
 SCHEDULER_CLS = "vllm_sekv.scheduler_side.engine_scheduler.SekvScheduler"
 
-
 ASYNC_SCHEDULER_CLS = "vllm_sekv.scheduler_side.engine_scheduler.SekvAsyncScheduler"
-
 
 def sekv_scheduler_cls(async_scheduling: bool) -> str:
     """The sekv scheduler for vLLM's scheduling mode: `SekvAsyncScheduler`
     (over vLLM's `AsyncScheduler`) when a step is scheduled while the last one
     runs, `SekvScheduler` otherwise (the CPU build schedules synchronously)."""
     return ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS
-
 
 def install_scheduler_default(connector_name: str) -> None:
     """Make the sekv connector flag also select the sekv scheduler.
@@ -93,7 +87,6 @@ def install_scheduler_default(connector_name: str) -> None:
 
     __post_init__._sekv_wrapped = True  # type: ignore[attr-defined]
     VllmConfig.__post_init__ = __post_init__
-
 
 def install_request_validation(connector_name: str, check: Any) -> None:
     """Refuse a request whose sekv parameters are invalid before it reaches
@@ -122,7 +115,6 @@ def install_request_validation(connector_name: str, check: Any) -> None:
     process_inputs._sekv_wrapped = True  # type: ignore[attr-defined]
     InputProcessor.process_inputs = process_inputs
 
-
 def install_prompt_token_reuse(connector_name: str, reuse: Any) -> None:
     """Let a sekv server's API server tokenize only what is new in a prompt.
 
@@ -146,7 +138,6 @@ def install_prompt_token_reuse(connector_name: str, reuse: Any) -> None:
 
     __init__._sekv_wrapped = True  # type: ignore[attr-defined]
     HfRenderer.__init__ = __init__
-
 
 def size_kv_cache_for_views(connector_name: str, window_tokens: Any) -> None:
     """Let a sekv server's `max_model_len` exceed what its KV cache holds.
@@ -194,7 +185,6 @@ def size_kv_cache_for_views(connector_name: str, window_tokens: Any) -> None:
 # `hide_from_prefix_cache`).
 _VIEW_SALT = "_sekv_view_salt"
 
-
 _OPAQUE_PREFIX = b"sekv-view-block\x00"
 
 # The view admission test of the sekv scheduler built last in this process,
@@ -232,7 +222,6 @@ def hash_views_opaquely(serves_from_views: Any) -> None:
         engine_core.get_request_block_hasher = _view_aware_hasher_factory(make)
     _pending_admission = weakref.WeakMethod(serves_from_views)
 
-
 def _view_aware_hasher_factory(make: Any) -> Any:
     def get_request_block_hasher(hash_block_size: int, *args: Any, **kwargs: Any) -> Any:
         global _pending_admission
@@ -259,7 +248,6 @@ def _view_aware_hasher_factory(make: Any) -> Any:
     get_request_block_hasher._sekv_wrapped = True  # type: ignore[attr-defined]
     return get_request_block_hasher
 
-
 def rewrite_request(request: Any, token_ids: list[int], cache_salt: str) -> None:
     """Replace a not-yet-computed request's tokens (and cache salt) in place
     with a view pass's, as vLLM's own streaming-session update does. Its block
@@ -275,7 +263,6 @@ def rewrite_request(request: Any, token_ids: list[int], cache_salt: str) -> None
     request.block_hashes = []
     request.update_block_hashes()
 
-
 def hide_from_prefix_cache(request: Any, cache_salt: str) -> None:
     """Keep a not-yet-scheduled request from matching vLLM's prefix cache
     until it is rewritten (`rewrite_request`): a new salt and no block
@@ -284,7 +271,6 @@ def hide_from_prefix_cache(request: Any, cache_salt: str) -> None:
     request.cache_salt = cache_salt
     setattr(request, _VIEW_SALT, cache_salt)
     request.block_hashes = []
-
 
 def restart_request(scheduler: Any, request: Any) -> None:
     """Take a running request out of the engine as if it had finished — its
