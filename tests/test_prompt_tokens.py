@@ -108,7 +108,8 @@ def test_a_small_bound_drops_the_oldest_and_stays_exact(tokenizer):
             ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
             assert ids == plain_ids(tokenizer, messages)
             messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": text_of(rng, 10)}]
-    cache = PromptTokenCache.for_tokenizer(tokenizer, min_chars=256, max_bytes=64 << 10)
+    cache = PromptTokenCache(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+                             markers_of(tokenizer), min_chars=256, max_bytes=64 << 10)
     for messages in sessions:
         cache.encode(tokenizer.apply_chat_template(messages, tokenize=False))
     assert 0 < cache.kept_bytes <= 64 << 10 and 0 < len(cache) < len(sessions)

@@ -116,14 +116,6 @@ class PromptTokenCache:
     def kept_bytes(self) -> int:
         return self._bytes
 
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Any, **kwargs: Any) -> PromptTokenCache | None:
-        """A cache over `tokenizer`'s own calls, or None where it has no marker."""
-        markers = markers_of(tokenizer)
-        if not markers:
-            return None
-        return cls(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], markers, **kwargs)
-
     def encode(self, text: str) -> list[int]:
         """`tokenize(text)`, from a kept prompt's ids wherever one shares a
         marker-ended prefix."""
