@@ -171,6 +171,10 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-rh-lexhop-hop3-sel16-psg8-lines-drop-rcall-ord": ("views-rerank-rh-lexhop", {
         "view_select_blocks": 16, "probe_hops": 3, "view_passage_blocks": 8, "view_cut_lines": True,
         "view_lookalikes": "drop", "recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    # the same with room for more passages: a passage's blocks count against the selection's 16
+    "views-rerank-rh-lexhop-hop3-sel32-psg8-lines-drop-rcall-ord": ("views-rerank-rh-lexhop", {
+        "view_select_blocks": 32, "probe_hops": 3, "view_passage_blocks": 8, "view_cut_lines": True,
+        "view_lookalikes": "drop", "recompute_blocks": 100000, "recompute_layout": "in_order"}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,
