@@ -201,6 +201,31 @@ def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int
     return [b for b in ranked if not mask[b - lo]]
 
 
+def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, breaks, hop: bool, passage_blocks: int,
+                         cut_lines: bool, sink_blocks: int, recent_blocks: int, block_tokens: int) -> list[int]:
+    """The sink and the best blocks of the trial's view rebuilt as a server
+    with `view_lookalikes` drop selects them: the probes' rankings
+    (`probe_ranked`; with `hop` the lexical hop from the lead lines as the
+    second) taken in turn, the lead lines' look-alikes left out, then the
+    first `top` blocks with their passages of up to `passage_blocks` blocks
+    (0: alone) and, with `cut_lines`, the rest of the lines their boundaries
+    cut (`top_blocks`). The latest history is not included
+    (`recency_filled` adds it)."""
+    selected = trial["selected_blocks"]
+    lo, hi = sink_blocks, max(selected) + 1 - recent_blocks
+    end = (max(selected) + 1) * block_tokens
+    history, new = prompt[:end], prompt[end:]
+    probes = [[b for b in p if lo <= b < hi] for p in trial["probe_ranked"]]
+    lead = lead_lines(history, lead_block(history, probes[0], new, block_tokens), breaks, block_tokens)
+    if hop:
+        probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), block_tokens))
+    ranked = without_lookalikes_of(history, new, in_turn(probes), lead, lo, hi, block_tokens)
+    passages = Passages(history, breaks, block_tokens) if passage_blocks else None
+    lines = Passages(history, breaks.lines(), block_tokens) if cut_lines else None
+    return [b for b in selected if b < sink_blocks] + top_blocks(ranked, top, 0, lo, hi, passages, passage_blocks,
+                                                                 lines)
+
+
 def other_blocks(selected: list[int], best: list[int], recent_blocks: int, n: int, seed: str) -> list[int]:
     """`n` of `selected` (its last `recent_blocks` and `best` aside), drawn
     at random; the same for the same `seed`."""
@@ -429,20 +454,8 @@ def main() -> None:
             elif variant == "drop-lookalikes":
                 if not r.get("probe_ranked"):
                     continue
-                lo, hi = args.sink_blocks, max(selected) + 1 - args.recent_blocks
-                end = (max(selected) + 1) * args.block_tokens
-                history = prompt[:end]
-                probes = [[b for b in p if lo <= b < hi] for p in r["probe_ranked"]]
-                lead = lead_lines(history, lead_block(history, probes[0], prompt[end:], args.block_tokens), breaks,
-                                  args.block_tokens)
-                if args.hop_blocks:
-                    probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), args.block_tokens))
-                ranked = without_lookalikes_of(history, prompt[end:], in_turn(probes), lead, lo, hi,
-                                               args.block_tokens)
-                passages = Passages(history, breaks, args.block_tokens) if args.fill_passages else None
-                lines = Passages(history, breaks.lines(), args.block_tokens) if args.fill_lines else None
-                best = [b for b in selected if b < args.sink_blocks] + top_blocks(
-                    ranked, args.fill_top, 0, lo, hi, passages, args.fill_passages, lines)
+                best = drop_lookalikes_best(prompt, r, args.fill_top, breaks, args.hop_blocks > 0, args.fill_passages,
+                                            args.fill_lines, args.sink_blocks, args.recent_blocks, args.block_tokens)
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
             elif variant in ("evidence-fill", "evidence-plus"):
                 if not r.get("answer_blocks"):

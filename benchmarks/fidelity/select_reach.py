@@ -38,10 +38,9 @@ sys.path.insert(0, str(HERE.parent))
 import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
-from replay import in_turn, lead_lines, lexical_hop, recency_filled, top_blocks, without_lookalikes_of  # noqa: E402
+from replay import drop_lookalikes_best, recency_filled  # noqa: E402
 from report import read_trials  # noqa: E402
-from vllm_sekv.index.lookalikes import lead_block  # noqa: E402
-from vllm_sekv.workspace.passages import Passages, break_token_ids  # noqa: E402
+from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
 
 
 def view_at(prompt: list[int], trial: dict, limit: int, breaks, passage_blocks: int, sink_blocks: int,
@@ -49,17 +48,9 @@ def view_at(prompt: list[int], trial: dict, limit: int, breaks, passage_blocks: 
     """The blocks of the view the trial's server would have served with
     `view_select_blocks` `limit`: sink, selection, latest history up to the
     served view's size (`replay.py`'s `drop-lookalikes` composition)."""
-    selected = trial["selected_blocks"]
-    lo, hi = sink_blocks, max(selected) + 1 - recent_blocks
-    end = (max(selected) + 1) * bt
-    history, new = prompt[:end], prompt[end:]
-    probes = [[b for b in p if lo <= b < hi] for p in trial["probe_ranked"]]
-    lead = lead_lines(history, lead_block(history, probes[0], new, bt), breaks, bt)
-    probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), bt))
-    ranked = without_lookalikes_of(history, new, in_turn(probes), lead, lo, hi, bt)
-    best = [b for b in selected if b < sink_blocks] + top_blocks(
-        ranked, limit, 0, lo, hi, Passages(history, breaks, bt), passage_blocks, Passages(history, breaks.lines(), bt))
-    return set(recency_filled(selected, best))
+    best = drop_lookalikes_best(prompt, trial, limit, breaks, True, passage_blocks, True, sink_blocks, recent_blocks,
+                                bt)
+    return set(recency_filled(trial["selected_blocks"], best))
 
 
 def main() -> None:
