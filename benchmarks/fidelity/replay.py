@@ -190,14 +190,16 @@ def in_turn(rankings: list[list[int]]) -> list[int]:
 
 
 def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], lead: tuple[int, int], lo: int,
-                          hi: int, block_tokens: int) -> list[int]:
+                          hi: int, block_tokens: int, lines: Passages | None = None) -> list[int]:
     """`ranked` (blocks in `[lo, hi)`, best first) without the look-alikes of
     the lead lines `lead` (`index.lookalikes.lookalike_mask` over every block in
-    `[lo, hi)` as candidates, those of `ranked` first in its order)."""
+    `[lo, hi)` as candidates, those of `ranked` first in its order, each
+    judged by its lines where the history's `lines` are given)."""
     candidates = list(range(lo, hi))
     first = [b - lo for b in ranked]
     order = first + sorted(set(range(hi - lo)) - set(first))
-    mask = lookalike_mask(np.asarray(history), candidates, order, lead, query, block_tokens)
+    spans = None if lines is None else lines.line_spans(np.asarray(candidates, dtype=np.int64))
+    mask = lookalike_mask(np.asarray(history), candidates, order, lead, query, block_tokens, spans)
     return [b for b in ranked if not mask[b - lo]]
 
 
@@ -219,9 +221,10 @@ def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, breaks, hop: 
     lead = lead_lines(history, lead_block(history, probes[0], new, block_tokens), breaks, block_tokens)
     if hop:
         probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), block_tokens))
-    ranked = without_lookalikes_of(history, new, in_turn(probes), lead, lo, hi, block_tokens)
+    every_line = Passages(history, breaks.lines(), block_tokens)
+    ranked = without_lookalikes_of(history, new, in_turn(probes), lead, lo, hi, block_tokens, every_line)
     passages = Passages(history, breaks, block_tokens) if passage_blocks else None
-    lines = Passages(history, breaks.lines(), block_tokens) if cut_lines else None
+    lines = every_line if cut_lines else None
     return [b for b in selected if b < sink_blocks] + top_blocks(ranked, top, 0, lo, hi, passages, passage_blocks,
                                                                  lines)
 

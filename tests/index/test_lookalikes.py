@@ -104,3 +104,31 @@ def test_the_lead_block_is_the_one_the_questions_own_end_names():
     assert lead_block(h, [120, 3, 50], query[:3], BT) == 120  # E is the question's, as far as it goes
     assert lead_block(h, [120, 3], [2000, 2001], BT) == 120  # no rare token: the first probe's best
     assert lead_block(h, [3, 4, 5, 6, 50][: LEAD_CANDIDATES + 1], [VAR, *A], BT) == 3  # 50 is past the candidates
+
+
+def test_a_name_sharing_a_piece_with_the_asked_one_is_a_lookalike():
+    # "VAR AB = 42" asked by its name AB; "VAR QB = 77" shares the piece B (another service of the same kind)
+    a, q = name(101, 102), name(111, 102)
+    lines = {50: [VAR, *a, EQ, 42], 120: [VAR, *q, EQ, 77], 200: [VAR, *E, EQ, 5], 260: [VAR, *a, 2000]}
+    h = history(lines)
+    candidates = list(range(2, 990))
+    order = [candidates.index(b) for b in (50, 120, 200, 260)]
+    order += [i for i in range(len(candidates)) if i not in order]
+    mask = lookalike_mask(h, candidates, order, lead=LEAD, query=[2001, VAR, *a], block_tokens=BT)
+    assert {b for b, m in zip(candidates, mask) if m} == {120, 200}  # 260 names all of AB: kept
+
+
+def test_a_block_holding_only_a_cut_lines_end_is_judged_by_its_line():
+    # a look-alike "VAR EF = 77" cut before its value: block 121 holds only the value, no template token
+    lines = {**LINES, 120: [*PROSE[:4], VAR, *E, EQ], 121: [77, *PROSE[:7]]}
+    h = history(lines)
+    candidates = list(range(2, 990))
+    order = [candidates.index(b) for b in (50, 120, 121, 90, 200, 260)]
+    order += [i for i in range(len(candidates)) if i not in order]
+    args = (h, candidates, order, LEAD, [2000, VAR, *A], BT)
+    alone = {b for b, m in zip(candidates, lookalike_mask(*args)) if m}
+    spans = np.array([[b * BT, b * BT + BT] for b in candidates])
+    spans[candidates.index(121), 0] = 120 * BT + 5  # the line through block 121's first token starts in 120
+    lines_of = {b for b, m in zip(candidates, lookalike_mask(*args, spans=spans)) if m}
+    assert 121 not in alone and 121 in lines_of
+    assert lines_of - {121} == alone

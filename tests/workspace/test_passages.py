@@ -58,9 +58,13 @@ def test_a_block_completes_a_line_its_boundary_cuts_when_the_line_spans_just_the
     # the same in tokens: a block's own tokens with the rest of those lines
     assert [p.line_span(b) for b in range(8)] == [(0, 6), (0, 10), (6, 12), (12, 16), (16, 20), (20, 24),
                                                   (24, 28), (28, 32)]
+    assert p.line_spans(np.arange(8)).tolist() == [list(p.line_span(b)) for b in range(8)]  # all at once
+    assert p.line_spans(np.array([2, 0])).tolist() == [[6, 12], [0, 6]]
     for method in (p.cut, p.line_span):
         with pytest.raises(ValueError, match="outside"):
             method(8)
+    with pytest.raises(ValueError, match="inside"):
+        p.line_spans(np.array([3, 8]))
 
 
 def test_a_views_cut_lines_come_along_uncounted_by_the_selection_limit_within_the_room():

@@ -33,12 +33,19 @@ tokens (the *query*) and a *lead* block (where the question leads):
   (`VAR`, `magic`), where a word of the prose or code around them (`the`,
   `def`) is as common everywhere and is not one.
 * A **distinctive token** is a rare token of the lead lines or of the
-  query that is not a template token.
-* A **look-alike** is a candidate not holding lead lines that holds a
-  template token and no distinctive token: the template, about something
-  the question does not name. Without template tokens (paragraphs of prose,
-  code) nothing is a look-alike, nor in a history shorter than `LIFT`
-  times the top (512 blocks), where no token's share can rise that far.
+  query that is not a template token. The **asked name** is the
+  distinctive tokens that the lead lines share with the query's last
+  `QUESTION_TOKENS` (what the question names, e.g. `brisk` and `zephyr`).
+* A candidate's **lines** are its block with the rest of the lines its
+  boundaries cut, where the caller gives them (`spans`); else the block.
+* A **look-alike** is a candidate not holding lead lines whose lines hold a
+  template token, and neither the whole asked name nor another distinctive
+  token: the template, about something the question does not name, also
+  where its name shares a piece with the asked one (`quiet-zephyr` beside
+  `brisk-zephyr`) or where the block holds only a cut line's end (the value
+  after the name). Without template tokens (paragraphs of prose, code)
+  nothing is a look-alike, nor in a history shorter than `LIFT` times the
+  top (512 blocks), where no token's share can rise that far.
 
 Pure numpy, blocking, no vLLM imports; inputs are never modified.
 """
@@ -68,6 +75,18 @@ def _holding(history: np.ndarray, terms: np.ndarray, block_tokens: int) -> tuple
     return held, held.sum(axis=0)
 
 
+def _holding_spans(history: np.ndarray, terms: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """`held[i, t]`: whether `history[spans[i, 0]:spans[i, 1]]` holds `terms[t]` (sorted, unique)."""
+    lengths = spans[:, 1] - spans[:, 0]
+    seg = np.repeat(np.arange(len(spans)), lengths)
+    idx = np.arange(int(lengths.sum())) + np.repeat(spans[:, 0] - (np.cumsum(lengths) - lengths), lengths)
+    tokens = np.asarray(history, dtype=np.int64)[idx]
+    held = np.zeros((len(spans), len(terms)), dtype=bool)
+    where = np.isin(tokens, terms)
+    held[seg[where], np.searchsorted(terms, tokens[where])] = True
+    return held
+
+
 def _rare(history_count: np.ndarray, num_blocks: int) -> np.ndarray:
     """Whether each token held by `history_count` of `num_blocks` history blocks is rare."""
     return history_count <= max(RARE_SHARE * num_blocks, RARE_BLOCKS)
@@ -88,12 +107,14 @@ def lead_block(history: np.ndarray, best: Sequence[int], query: Sequence[int], b
 
 
 def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequence[int], lead: tuple[int, int],
-                   query: Sequence[int], block_tokens: int) -> np.ndarray:
+                   query: Sequence[int], block_tokens: int, spans: np.ndarray | None = None) -> np.ndarray:
     """Which of `candidates` (block indices of `history`, token ids in
     virtual order) are look-alikes of the lead lines `history[lead[0]:
     lead[1]]` (see the module's definitions). `order`: indices into
     `candidates`, best first (the view's ranking); `query`: the step's new
-    tokens. Bool `[len(candidates)]`."""
+    tokens; `spans`: each candidate's lines, `[len(candidates), 2]` token
+    ranges (`Passages.line_spans`), None: the blocks alone. Bool
+    `[len(candidates)]`."""
     candidates = np.asarray(candidates, dtype=np.int64)
     num_blocks = len(history) // block_tokens
     mask = np.zeros(len(candidates), dtype=bool)
@@ -110,6 +131,11 @@ def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequen
     if not template.any():
         return mask
     distinctive = ~template & _rare(history_count, num_blocks)
-    mask = held[candidates][:, template].any(axis=1) & ~held[candidates][:, distinctive].any(axis=1)
+    named = distinctive & np.isin(terms, lead_terms) & np.isin(terms, np.asarray(query[-QUESTION_TOKENS:]))
+    lines = held[candidates] if spans is None else _holding_spans(history, terms, np.asarray(spans, np.int64))
+    keep = lines[:, distinctive & ~named].any(axis=1)
+    if named.any():
+        keep |= lines[:, named].all(axis=1)
+    mask = lines[:, template].any(axis=1) & ~keep
     mask[(candidates >= start // block_tokens) & (candidates <= (end - 1) // block_tokens)] = False
     return mask

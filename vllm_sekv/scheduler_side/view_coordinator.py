@@ -340,9 +340,10 @@ class ViewCoordinator:
         if self.config.lexical_weight:
             scores = lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
         if job.drop_lookalikes and job.lead is not None:
-            probe = job.probe
+            probe, lines = job.probe, self._history_lines(job)
+            spans = None if lines is None else lines.line_spans(np.asarray(probe.candidates, dtype=np.int64))
             mask = lookalike_mask(job.history_ids, probe.candidates, rank_order(scores), job.lead,
-                                  job.prompt[probe.tail_start:], job.budget.block_tokens)
+                                  job.prompt[probe.tail_start:], job.budget.block_tokens, spans)
             scores = np.where(mask, -np.inf, scores)
             job.lookalikes = int(mask.sum())
         return scores

@@ -151,6 +151,21 @@ class Passages:
             end = int(self._last_token[last]) + 1
         return start, end
 
+    def line_spans(self, blocks: np.ndarray) -> np.ndarray:
+        """`line_span` of each of `blocks` (int array, each a block of the
+        history): `[len(blocks), 2]` int64 token ranges."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if len(blocks) and not (0 <= blocks.min() and blocks.max() < self.num_blocks):
+            raise ValueError(f"blocks must lie inside the history's {self.num_blocks} blocks")
+        bt = self.block_tokens
+        first = np.searchsorted(self._last_token, blocks * bt, side="left")
+        last = np.searchsorted(self._last_token, blocks * bt + bt - 1, side="left")
+        start = np.where((self._first[first] == blocks - 1) & (self._last[first] == blocks),
+                         self._first_token[first], blocks * bt)
+        end = np.where((self._last[last] == blocks + 1) & (self._first[last] == blocks),
+                       self._last_token[last] + 1, blocks * bt + bt)
+        return np.stack([start, end], axis=1).astype(np.int64)
+
     def around(self, block: int, most: int) -> list[int]:
         """`block`, then its home passage's other blocks nearest first (the
         earlier first at equal distance) if the passage spans at most `most`
