@@ -1,0 +1,137 @@
+"""How many look-alike facts a view holds, as served and as this tree's
+`view_lookalikes` drop would select it: offline, from a run's trial lines and
+the sessions regenerated (no engine, no GPU).
+
+For every trial of `--method` (a views method with the look-alike drop and
+the lexical hop that recorded `probe_ranked`), the view is rebuilt as
+`select_reach.py` rebuilds it (`replay.drop_lookalikes_best`, then the latest
+history up to the served view's size) with this tree's look-alike rule, at
+the method's own selection limit. Per family it counts the views holding
+every block of the question's evidence (`answer_blocks`), served and rebuilt,
+and, where the family plants facts in one template (`replay.PLANTED`:
+`multikey`, `vartrack`), the planted facts other than the question's
+evidence whose every block the view holds (look-alike facts), served and
+rebuilt, and the wrong answers whose served view held look-alike facts that
+the rebuilt view holds none of. Answers are not measured: that takes a run.
+
+    python benchmarks/fidelity/lookalike_reach.py --model QWEN_DIR --runs RUN.jsonl [MORE.jsonl ...] \\
+        --method views-rerank-rh-lexhop-hop3-sel32-psg8-lines-drop-rcall-ord:8192 --limit 32 \\
+        [--out benchmarks/results/fidelity]
+
+Writes `lookalike_reach.json` (one row per trial and the counts) and
+`lookalike_reach.md` (headed by machine, commit and command) into `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import report_header as H  # noqa: E402
+import sessions as S  # noqa: E402
+from corpora import Corpora  # noqa: E402
+from replay import PLANTED, is_evidence  # noqa: E402
+from report import read_trials  # noqa: E402
+from select_reach import view_at  # noqa: E402
+from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
+
+
+def planted_facts(tokenizer, prompt: list[int], family: str, evidence: list[str], block_tokens: int) -> list[range]:
+    """The blocks of each planted fact of the history (before the step's last
+    user turn) that is not the question's evidence."""
+    text = tokenizer.decode(prompt)
+    end = text.rfind("<|im_start|>user")
+    facts = []
+    for m in PLANTED[family].finditer(text, 0, end if end >= 0 else len(text)):
+        if not is_evidence(m.group(0).rstrip("\n"), evidence):
+            last = m.end() - 1 - (m.group(0).endswith("\n"))
+            facts.append(range(S.token_at(tokenizer, prompt, m.start()) // block_tokens,
+                               S.token_at(tokenizer, prompt, last) // block_tokens + 1))
+    return facts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the evaluated model's folder (its tokenizer)")
+    ap.add_argument("--runs", nargs="+", required=True)
+    ap.add_argument("--method", required=True, help="a views method with -lexhop- and -drop- that recorded "
+                                                    "probe_ranked")
+    ap.add_argument("--limit", type=int, required=True, help="the method's view_select_blocks")
+    ap.add_argument("--passage-blocks", type=int, default=8, help="the method's view_passage_blocks")
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--sink-blocks", type=int, default=2)
+    ap.add_argument("--recent-blocks", type=int, default=8)
+    ap.add_argument("--block-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(H.results_dir("fidelity")))
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    corpora, sessions, rows, breaks = Corpora(), {}, [], break_token_ids(tokenizer)
+    for (family, length, seed, q, method), r in sorted(read_trials(args.runs).items()):
+        if length != args.length or method != args.method or not r.get("probe_ranked"):
+            continue
+        if (family, seed) not in sessions:
+            sessions[family, seed] = S.generate(family, length, seed, tokenizer, corpora)
+        session = sessions[family, seed]
+        prompt = S.render_ids(tokenizer, session.step_messages(q))
+        views = {"served": set(r["selected_blocks"]),
+                 "rebuilt": view_at(prompt, r, args.limit, breaks, args.passage_blocks, args.sink_blocks,
+                                    args.recent_blocks, args.block_tokens)}
+        row = {"family": family, "seed": seed, "question": q, "correct": r["correct"]}
+        for name, view in views.items():
+            row[f"{name}_in_view"] = all(b in view for b in r["answer_blocks"] or [])
+        if family in PLANTED:
+            facts = planted_facts(tokenizer, prompt, family, session.questions[q].evidence, args.block_tokens)
+            for name, view in views.items():
+                row[f"{name}_lookalikes"] = sum(all(b in view for b in fact) for fact in facts)
+        rows.append(row)
+        print(f"[lookalike_reach] {family}-{seed} q{q} {row}", flush=True)
+    summary = {}
+    for family in sorted({r["family"] for r in rows}):
+        fam = [r for r in rows if r["family"] == family]
+        counts = {"n": len(fam), "correct": sum(r["correct"] for r in fam),
+                  **{f"{v}_in_view": sum(r[f"{v}_in_view"] for r in fam) for v in ("served", "rebuilt")}}
+        if family in PLANTED:
+            for v in ("served", "rebuilt"):
+                counts[f"{v}_lookalikes"] = sum(r[f"{v}_lookalikes"] for r in fam)
+                counts[f"{v}_views_with_lookalikes"] = sum(r[f"{v}_lookalikes"] > 0 for r in fam)
+            counts["wrong_cleared"] = sum(not r["correct"] and r["served_lookalikes"] > 0 and not r["rebuilt_lookalikes"]
+                                          for r in fam)
+            counts["wrong_with_lookalikes"] = sum(not r["correct"] and r["served_lookalikes"] > 0 for r in fam)
+        summary[family] = counts
+    meta = H.meta(H.command(__file__))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lookalike_reach.json").write_text(json.dumps({"meta": meta, "summary": summary, "trials": rows},
+                                                         indent=1))
+    lines = H.header_from(meta, f"Fidelity: look-alike facts in the view (`{args.method}`)") + [
+        f"{len(rows)} questions at {args.length} tokens. Served: the views the run's server selected; rebuilt: "
+        f"the same rankings through this tree's `view_lookalikes` drop, at `view_select_blocks` {args.limit}. "
+        "Evidence: views holding every block of the question's evidence. Look-alike facts: planted facts other "
+        "than the evidence whose every block the view holds (summed over the views; in brackets, the views "
+        "holding any). Wrong answers cleared: of the served views that answered wrong and held look-alike facts, "
+        "those whose rebuilt view holds none.", "",
+        "| family | n | answered | evidence served | evidence rebuilt | look-alike facts served | "
+        "look-alike facts rebuilt | wrong answers cleared |",
+        "|---|---|---|---|---|---|---|---|"]
+    for family, c in summary.items():
+        if family in PLANTED:
+            facts = (f"{c['served_lookalikes']} ({c['served_views_with_lookalikes']}) | "
+                     f"{c['rebuilt_lookalikes']} ({c['rebuilt_views_with_lookalikes']}) | "
+                     f"{c['wrong_cleared']} of {c['wrong_with_lookalikes']}")
+        else:
+            facts = "- | - | -"
+        lines.append(f"| {family} | {c['n']} | {c['correct']} | {c['served_in_view']} | {c['rebuilt_in_view']} | "
+                     f"{facts} |")
+    H.write_report(out / "lookalike_reach.md", lines)
+    print("\n".join(lines[12:]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
