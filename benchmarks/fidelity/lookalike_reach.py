@@ -101,9 +101,9 @@ def main() -> None:
             for v in ("served", "rebuilt"):
                 counts[f"{v}_lookalikes"] = sum(r[f"{v}_lookalikes"] for r in fam)
                 counts[f"{v}_views_with_lookalikes"] = sum(r[f"{v}_lookalikes"] > 0 for r in fam)
-            counts["wrong_cleared"] = sum(not r["correct"] and r["served_lookalikes"] > 0 and not r["rebuilt_lookalikes"]
-                                          for r in fam)
-            counts["wrong_with_lookalikes"] = sum(not r["correct"] and r["served_lookalikes"] > 0 for r in fam)
+            wrong = [r for r in fam if not r["correct"] and r["served_lookalikes"] > 0]
+            counts["wrong_with_lookalikes"] = len(wrong)
+            counts["wrong_cleared"] = sum(not r["rebuilt_lookalikes"] for r in wrong)
         summary[family] = counts
     meta = H.meta(H.command(__file__))
     out = Path(args.out)
