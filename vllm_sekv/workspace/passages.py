@@ -142,13 +142,7 @@ class Passages:
         that ends in `block + 1`."""
         if not 0 <= block < self.num_blocks:
             raise ValueError(f"block {block} is outside the history's {self.num_blocks} blocks")
-        bt = self.block_tokens
-        first, last = np.searchsorted(self._last_token, [block * bt, block * bt + bt - 1], side="left")
-        start, end = block * bt, block * bt + bt
-        if self._first[first] == block - 1 and self._last[first] == block:
-            start = int(self._first_token[first])
-        if self._last[last] == block + 1 and self._first[last] == block:
-            end = int(self._last_token[last]) + 1
+        start, end = self.line_spans(np.array([block]))[0].tolist()
         return start, end
 
     def line_spans(self, blocks: np.ndarray) -> np.ndarray:
