@@ -11,8 +11,10 @@ every block of the question's evidence (`answer_blocks`), served and rebuilt,
 and, where the family plants facts in one template (`replay.PLANTED`:
 `multikey`, `vartrack`), the planted facts other than the question's
 evidence whose every block the view holds (look-alike facts), served and
-rebuilt, and the wrong answers whose served view held look-alike facts that
-the rebuilt view holds none of. Answers are not measured: that takes a run.
+rebuilt (and how many of the rebuilt ones lie in the view's latest history
+rather than its selection), and the wrong answers whose served view held
+look-alike facts that the rebuilt view holds none of. Answers are not
+measured: that takes a run.
 
     python benchmarks/fidelity/lookalike_reach.py --model QWEN_DIR --runs RUN.jsonl [MORE.jsonl ...] \\
         --method views-rerank-rh-lexhop-hop3-sel32-psg8-lines-drop-rcall-ord:8192 --limit 32 \\
@@ -37,7 +39,7 @@ import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from replay import PLANTED, is_evidence  # noqa: E402
 from report import read_trials  # noqa: E402
-from select_reach import view_at  # noqa: E402
+from replay import drop_lookalikes_best, recency_filled  # noqa: E402
 from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
 
 
@@ -53,6 +55,15 @@ def planted_facts(tokenizer, prompt: list[int], family: str, evidence: list[str]
             facts.append(range(S.token_at(tokenizer, prompt, m.start()) // block_tokens,
                                S.token_at(tokenizer, prompt, last) // block_tokens + 1))
     return facts
+
+
+def latest_start(view: set[int]) -> int:
+    """The first block of the view's latest history: the run of consecutive
+    blocks that ends at its last block."""
+    b = max(view)
+    while b - 1 in view:
+        b -= 1
+    return b
 
 
 def main() -> None:
@@ -80,9 +91,9 @@ def main() -> None:
             sessions[family, seed] = S.generate(family, length, seed, tokenizer, corpora)
         session = sessions[family, seed]
         prompt = S.render_ids(tokenizer, session.step_messages(q))
-        views = {"served": set(r["selected_blocks"]),
-                 "rebuilt": view_at(prompt, r, args.limit, breaks, args.passage_blocks, args.sink_blocks,
-                                    args.recent_blocks, args.block_tokens)}
+        best = drop_lookalikes_best(prompt, r, args.limit, breaks, True, args.passage_blocks, True, args.sink_blocks,
+                                    args.recent_blocks, args.block_tokens)
+        views = {"served": set(r["selected_blocks"]), "rebuilt": set(recency_filled(r["selected_blocks"], best))}
         row = {"family": family, "seed": seed, "question": q, "correct": r["correct"]}
         for name, view in views.items():
             row[f"{name}_in_view"] = all(b in view for b in r["answer_blocks"] or [])
@@ -90,6 +101,9 @@ def main() -> None:
             facts = planted_facts(tokenizer, prompt, family, session.questions[q].evidence, args.block_tokens)
             for name, view in views.items():
                 row[f"{name}_lookalikes"] = sum(all(b in view for b in fact) for fact in facts)
+            latest = latest_start(views["rebuilt"])
+            row["rebuilt_lookalikes_latest"] = sum(all(b in views["rebuilt"] for b in fact) and fact[0] >= latest
+                                                   for fact in facts)
         rows.append(row)
         print(f"[lookalike_reach] {family}-{seed} q{q} {row}", flush=True)
     summary = {}
@@ -101,6 +115,7 @@ def main() -> None:
             for v in ("served", "rebuilt"):
                 counts[f"{v}_lookalikes"] = sum(r[f"{v}_lookalikes"] for r in fam)
                 counts[f"{v}_views_with_lookalikes"] = sum(r[f"{v}_lookalikes"] > 0 for r in fam)
+            counts["rebuilt_lookalikes_latest"] = sum(r["rebuilt_lookalikes_latest"] for r in fam)
             wrong = [r for r in fam if not r["correct"] and r["served_lookalikes"] > 0]
             counts["wrong_with_lookalikes"] = len(wrong)
             counts["wrong_cleared"] = sum(not r["rebuilt_lookalikes"] for r in wrong)
@@ -115,18 +130,19 @@ def main() -> None:
         f"the same rankings through this tree's `view_lookalikes` drop, at `view_select_blocks` {args.limit}. "
         "Evidence: views holding every block of the question's evidence. Look-alike facts: planted facts other "
         "than the evidence whose every block the view holds (summed over the views; in brackets, the views "
-        "holding any). Wrong answers cleared: of the served views that answered wrong and held look-alike facts, "
-        "those whose rebuilt view holds none.", "",
+        "holding any); of the rebuilt views' ones, those in the latest history (the run of blocks that ends the "
+        "view), the rest coming with the selection. Wrong answers cleared: of the served views that answered wrong "
+        "and held look-alike facts, those whose rebuilt view holds none.", "",
         "| family | n | answered | evidence served | evidence rebuilt | look-alike facts served | "
-        "look-alike facts rebuilt | wrong answers cleared |",
-        "|---|---|---|---|---|---|---|---|"]
+        "look-alike facts rebuilt | of them in the latest history | wrong answers cleared |",
+        "|---|---|---|---|---|---|---|---|---|"]
     for family, c in summary.items():
         if family in PLANTED:
             facts = (f"{c['served_lookalikes']} ({c['served_views_with_lookalikes']}) | "
                      f"{c['rebuilt_lookalikes']} ({c['rebuilt_views_with_lookalikes']}) | "
-                     f"{c['wrong_cleared']} of {c['wrong_with_lookalikes']}")
+                     f"{c['rebuilt_lookalikes_latest']} | {c['wrong_cleared']} of {c['wrong_with_lookalikes']}")
         else:
-            facts = "- | - | -"
+            facts = "- | - | - | -"
         lines.append(f"| {family} | {c['n']} | {c['correct']} | {c['served_in_view']} | {c['rebuilt_in_view']} | "
                      f"{facts} |")
     H.write_report(out / "lookalike_reach.md", lines)
