@@ -26,7 +26,6 @@ Writes `lookalike_reach.json` (one row per trial and the counts) and
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 from pathlib import Path
@@ -36,20 +35,16 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
-from corpora import Corpora  # noqa: E402
-from replay import PLANTED, is_evidence  # noqa: E402
-from report import read_trials  # noqa: E402
-from replay import drop_lookalikes_best, recency_filled  # noqa: E402
+from replay import PLANTED, is_evidence, planted_matches  # noqa: E402
+from select_reach import add_view_args, method_trials, view_at  # noqa: E402
 from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
 
 
 def planted_facts(tokenizer, prompt: list[int], family: str, evidence: list[str], block_tokens: int) -> list[range]:
     """The blocks of each planted fact of the history (before the step's last
     user turn) that is not the question's evidence."""
-    text = tokenizer.decode(prompt)
-    end = text.rfind("<|im_start|>user")
     facts = []
-    for m in PLANTED[family].finditer(text, 0, end if end >= 0 else len(text)):
+    for m in planted_matches(tokenizer, prompt, family):
         if not is_evidence(m.group(0).rstrip("\n"), evidence):
             last = m.end() - 1 - (m.group(0).endswith("\n"))
             facts.append(range(S.token_at(tokenizer, prompt, m.start()) // block_tokens,
@@ -68,32 +63,17 @@ def latest_start(view: set[int]) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="the evaluated model's folder (its tokenizer)")
-    ap.add_argument("--runs", nargs="+", required=True)
-    ap.add_argument("--method", required=True, help="a views method with -lexhop- and -drop- that recorded "
-                                                    "probe_ranked")
+    add_view_args(ap)
     ap.add_argument("--limit", type=int, required=True, help="the method's view_select_blocks")
-    ap.add_argument("--passage-blocks", type=int, default=8, help="the method's view_passage_blocks")
-    ap.add_argument("--length", type=int, default=131072)
-    ap.add_argument("--sink-blocks", type=int, default=2)
-    ap.add_argument("--recent-blocks", type=int, default=8)
-    ap.add_argument("--block-tokens", type=int, default=32)
-    ap.add_argument("--out", default=str(H.results_dir("fidelity")))
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    corpora, sessions, rows, breaks = Corpora(), {}, [], break_token_ids(tokenizer)
-    for (family, length, seed, q, method), r in sorted(read_trials(args.runs).items()):
-        if length != args.length or method != args.method or not r.get("probe_ranked"):
-            continue
-        if (family, seed) not in sessions:
-            sessions[family, seed] = S.generate(family, length, seed, tokenizer, corpora)
-        session = sessions[family, seed]
-        prompt = S.render_ids(tokenizer, session.step_messages(q))
-        best = drop_lookalikes_best(prompt, r, args.limit, breaks, True, args.passage_blocks, True, args.sink_blocks,
-                                    args.recent_blocks, args.block_tokens)
-        views = {"served": set(r["selected_blocks"]), "rebuilt": set(recency_filled(r["selected_blocks"], best))}
+    rows, breaks = [], break_token_ids(tokenizer)
+    for family, seed, q, r, session, prompt in method_trials(args, tokenizer):
+        views = {"served": set(r["selected_blocks"]),
+                 "rebuilt": view_at(prompt, r, args.limit, breaks, args.passage_blocks, args.sink_blocks,
+                                    args.recent_blocks, args.block_tokens)}
         row = {"family": family, "seed": seed, "question": q, "correct": r["correct"]}
         for name, view in views.items():
             row[f"{name}_in_view"] = all(b in view for b in r["answer_blocks"] or [])

@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE.parent))
 import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
-from replay import PLANTED, is_evidence, lead_lines, lexical_hop, without_lookalikes_of  # noqa: E402
+from replay import is_evidence, lead_lines, lexical_hop, planted_matches, without_lookalikes_of  # noqa: E402
 from vllm_sekv.index.lookalikes import lead_block  # noqa: E402
 from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
 from report import read_trials  # noqa: E402
@@ -53,10 +53,8 @@ def ranks(ranking: list[int], blocks: set[int]) -> list[int]:
 def planted_blocks(tokenizer, prompt: list[int], evidence: list[str], block_tokens: int) -> tuple[set, set]:
     """(blocks of the asked chain's lines, blocks of the other planted lines
     and of no chain line) in the history before the step's last user turn."""
-    text = tokenizer.decode(prompt)
-    end = text.rfind("<|im_start|>user")
     chain, other = set(), set()
-    for m in PLANTED["vartrack"].finditer(text, 0, end if end >= 0 else len(text)):
+    for m in planted_matches(tokenizer, prompt, "vartrack"):
         fact = m.group(0).rstrip("\n")
         first = S.token_at(tokenizer, prompt, m.start()) // block_tokens
         last = S.token_at(tokenizer, prompt, m.end() - 1) // block_tokens

@@ -93,6 +93,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -241,15 +242,20 @@ def is_evidence(fact: str, evidence: list[str]) -> bool:
     return any(e.startswith(fact) or fact.startswith(e) for e in evidence)
 
 
-def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[str]) -> tuple[list[int], int]:
-    """(`ids` without the tokens of planted facts that are not a prefix of
-    the question's evidence, how many facts went). Only the history before
-    the step's last user turn is searched: earlier questions and their gold
-    replies stay."""
+def planted_matches(tokenizer, ids: list[int], family: str) -> Iterator[re.Match]:
+    """The family's planted facts (`PLANTED`) in the decoded history before
+    the step's last user turn, in order: earlier questions and their gold
+    replies are not searched."""
     text = tokenizer.decode(ids)
     end = text.rfind("<|im_start|>user")
+    return PLANTED[family].finditer(text, 0, end if end >= 0 else len(text))
+
+
+def without_lookalikes(tokenizer, ids: list[int], family: str, evidence: list[str]) -> tuple[list[int], int]:
+    """(`ids` without the tokens of planted facts that are not a prefix of
+    the question's evidence, how many facts went), `planted_matches`' facts."""
     drop = []
-    for m in PLANTED[family].finditer(text, 0, end if end >= 0 else len(text)):
+    for m in planted_matches(tokenizer, ids, family):
         fact = m.group(0).rstrip("\n")
         if not is_evidence(fact, evidence):
             drop.append((m.start(), m.end()))

@@ -53,31 +53,45 @@ def view_at(prompt: list[int], trial: dict, limit: int, breaks, passage_blocks: 
     return set(recency_filled(trial["selected_blocks"], best))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_view_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments of a script that rebuilds a run's served views."""
     ap.add_argument("--model", required=True, help="the evaluated model's folder (its tokenizer)")
     ap.add_argument("--runs", nargs="+", required=True)
     ap.add_argument("--method", required=True, help="a views method with -lexhop- and -drop- that recorded "
                                                     "probe_ranked")
-    ap.add_argument("--limits", type=int, nargs="+", default=[16, 24, 32, 48, 64],
-                    help="view_select_blocks to rebuild; the first: the method's own")
     ap.add_argument("--passage-blocks", type=int, default=8, help="the method's view_passage_blocks")
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--sink-blocks", type=int, default=2)
     ap.add_argument("--recent-blocks", type=int, default=8)
     ap.add_argument("--block-tokens", type=int, default=32)
     ap.add_argument("--out", default=str(H.results_dir("fidelity")))
-    args = ap.parse_args()
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    corpora, sessions, rows, breaks = Corpora(), {}, [], break_token_ids(tokenizer)
+
+def method_trials(args, tokenizer):
+    """(family, seed, question, trial line, session, step prompt ids) of each
+    trial of `args.method` at `args.length` that recorded `probe_ranked`, in
+    order; each session generated once."""
+    corpora, sessions = Corpora(), {}
     for (family, length, seed, q, method), r in sorted(read_trials(args.runs).items()):
         if length != args.length or method != args.method or not r.get("probe_ranked"):
             continue
         if (family, seed) not in sessions:
             sessions[family, seed] = S.generate(family, length, seed, tokenizer, corpora)
-        prompt = S.render_ids(tokenizer, sessions[family, seed].step_messages(q))
+        session = sessions[family, seed]
+        yield family, seed, q, r, session, S.render_ids(tokenizer, session.step_messages(q))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_view_args(ap)
+    ap.add_argument("--limits", type=int, nargs="+", default=[16, 24, 32, 48, 64],
+                    help="view_select_blocks to rebuild; the first: the method's own")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows, breaks = [], break_token_ids(tokenizer)
+    for family, seed, q, r, _, prompt in method_trials(args, tokenizer):
         held = [all(b in view_at(prompt, r, limit, breaks, args.passage_blocks, args.sink_blocks,
                                  args.recent_blocks, args.block_tokens) for b in r["answer_blocks"])
                 for limit in args.limits]
