@@ -13,8 +13,11 @@ and, where the family plants facts in one template (`replay.PLANTED`:
 evidence whose every block the view holds (look-alike facts), served and
 rebuilt (and how many of the rebuilt ones lie in the view's latest history
 rather than its selection), and the wrong answers whose served view held
-look-alike facts that the rebuilt view holds none of. Answers are not
-measured: that takes a run.
+look-alike facts that the rebuilt view holds none of. In every family it
+counts the questions where the rule leaves a block of the evidence out of
+the ranking (the evidence taken for a look-alike; its passage, a cut line or
+the latest history may still bring it back), with the evidence's best place
+in the probes' ranking. Answers are not measured: that takes a run.
 
     python benchmarks/fidelity/lookalike_reach.py --model QWEN_DIR --runs RUN.jsonl [MORE.jsonl ...] \\
         --method views-rerank-rh-lexhop-hop3-sel32-psg8-lines-drop-rcall-ord:8192 --limit 32 \\
@@ -35,7 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
-from replay import PLANTED, is_evidence, planted_matches  # noqa: E402
+from replay import PLANTED, is_evidence, lookalike_ranking, planted_matches  # noqa: E402
 from select_reach import add_view_args, method_trials, view_at  # noqa: E402
 from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
 
@@ -77,6 +80,11 @@ def main() -> None:
         row = {"family": family, "seed": seed, "question": q, "correct": r["correct"]}
         for name, view in views.items():
             row[f"{name}_in_view"] = all(b in view for b in r["answer_blocks"] or [])
+        ranked, kept = lookalike_ranking(prompt, r, breaks, True, args.sink_blocks, args.recent_blocks,
+                                         args.block_tokens)
+        evidence = [b for b in r["answer_blocks"] or [] if b in ranked]
+        row["evidence_place"] = min((ranked.index(b) for b in evidence), default=None)
+        row["evidence_left_out"] = sorted(set(evidence) - set(kept))
         if family in PLANTED:
             facts = planted_facts(tokenizer, prompt, family, session.questions[q].evidence, args.block_tokens)
             for name, view in views.items():
@@ -91,6 +99,10 @@ def main() -> None:
         fam = [r for r in rows if r["family"] == family]
         counts = {"n": len(fam), "correct": sum(r["correct"] for r in fam),
                   **{f"{v}_in_view": sum(r[f"{v}_in_view"] for r in fam) for v in ("served", "rebuilt")}}
+        left_out = [r for r in fam if r["evidence_left_out"]]
+        counts["evidence_left_out"] = len(left_out)
+        counts["evidence_left_out_wrong"] = sum(not r["correct"] for r in left_out)
+        counts["evidence_left_out_not_in_view"] = sum(not r["rebuilt_in_view"] for r in left_out)
         if family in PLANTED:
             for v in ("served", "rebuilt"):
                 counts[f"{v}_lookalikes"] = sum(r[f"{v}_lookalikes"] for r in fam)
@@ -112,10 +124,12 @@ def main() -> None:
         "than the evidence whose every block the view holds (summed over the views; in brackets, the views "
         "holding any); of the rebuilt views' ones, those in the latest history (the run of blocks that ends the "
         "view), the rest coming with the selection. Wrong answers cleared: of the served views that answered wrong "
-        "and held look-alike facts, those whose rebuilt view holds none.", "",
+        "and held look-alike facts, those whose rebuilt view holds none. Evidence left out: questions where the "
+        "rule takes a block of the evidence for a look-alike and leaves it out of the ranking (in brackets: of "
+        "them, answered wrong as served / not in the rebuilt view).", "",
         "| family | n | answered | evidence served | evidence rebuilt | look-alike facts served | "
-        "look-alike facts rebuilt | of them in the latest history | wrong answers cleared |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "look-alike facts rebuilt | of them in the latest history | wrong answers cleared | evidence left out |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for family, c in summary.items():
         if family in PLANTED:
             facts = (f"{c['served_lookalikes']} ({c['served_views_with_lookalikes']}) | "
@@ -124,7 +138,17 @@ def main() -> None:
         else:
             facts = "- | - | - | -"
         lines.append(f"| {family} | {c['n']} | {c['correct']} | {c['served_in_view']} | {c['rebuilt_in_view']} | "
-                     f"{facts} |")
+                     f"{facts} | {c['evidence_left_out']} ({c['evidence_left_out_wrong']} / "
+                     f"{c['evidence_left_out_not_in_view']}) |")
+    left_out = [r for r in rows if r["evidence_left_out"]]
+    if left_out:
+        lines += ["", "Questions whose evidence the rule leaves out of the ranking:", "",
+                  "| family | seed | question | answered | evidence's best place | blocks left out "
+                  "| in the rebuilt view |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['family']} | {r['seed']} | {r['question']} | {'yes' if r['correct'] else 'no'} | "
+                  f"{r['evidence_place']} | {', '.join(map(str, r['evidence_left_out']))} | "
+                  f"{'yes' if r['rebuilt_in_view'] else 'no'} |" for r in left_out]
     H.write_report(out / "lookalike_reach.md", lines)
     print("\n".join(lines[12:]), flush=True)
 

@@ -204,16 +204,13 @@ def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int
     return [b for b in ranked if not mask[b - lo]]
 
 
-def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, breaks, hop: bool, passage_blocks: int,
-                         cut_lines: bool, sink_blocks: int, recent_blocks: int, block_tokens: int) -> list[int]:
-    """The sink and the best blocks of the trial's view rebuilt as a server
-    with `view_lookalikes` drop selects them: the probes' rankings
-    (`probe_ranked`; with `hop` the lexical hop from the lead lines as the
-    second) taken in turn, the lead lines' look-alikes left out, then the
-    first `top` blocks with their passages of up to `passage_blocks` blocks
-    (0: alone) and, with `cut_lines`, the rest of the lines their boundaries
-    cut (`top_blocks`). The latest history is not included
-    (`recency_filled` adds it)."""
+def lookalike_ranking(prompt: list[int], trial: dict, breaks, hop: bool, sink_blocks: int, recent_blocks: int,
+                      block_tokens: int) -> tuple[list[int], list[int]]:
+    """(the probes' rankings of the trial's view taken in turn, the same
+    without the lead lines' look-alikes), as a server with `view_lookalikes`
+    drop ranks them: the trial's `probe_ranked`, with `hop` the lexical hop
+    from the lead lines as the second, each judged by its lines
+    (`without_lookalikes_of`)."""
     selected = trial["selected_blocks"]
     lo, hi = sink_blocks, max(selected) + 1 - recent_blocks
     end = (max(selected) + 1) * block_tokens
@@ -223,9 +220,24 @@ def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, breaks, hop: 
     if hop:
         probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), block_tokens))
     every_line = Passages(history, breaks.lines(), block_tokens)
-    ranked = without_lookalikes_of(history, new, in_turn(probes), lead, lo, hi, block_tokens, every_line)
+    ranked = in_turn(probes)
+    return ranked, without_lookalikes_of(history, new, ranked, lead, lo, hi, block_tokens, every_line)
+
+
+def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, breaks, hop: bool, passage_blocks: int,
+                         cut_lines: bool, sink_blocks: int, recent_blocks: int, block_tokens: int) -> list[int]:
+    """The sink and the best blocks of the trial's view rebuilt as a server
+    with `view_lookalikes` drop selects them: `lookalike_ranking`'s ranking
+    without look-alikes, then the first `top` blocks with their passages of
+    up to `passage_blocks` blocks (0: alone) and, with `cut_lines`, the rest
+    of the lines their boundaries cut (`top_blocks`). The latest history is
+    not included (`recency_filled` adds it)."""
+    selected = trial["selected_blocks"]
+    lo, hi = sink_blocks, max(selected) + 1 - recent_blocks
+    history = prompt[:(max(selected) + 1) * block_tokens]
+    _, ranked = lookalike_ranking(prompt, trial, breaks, hop, sink_blocks, recent_blocks, block_tokens)
     passages = Passages(history, breaks, block_tokens) if passage_blocks else None
-    lines = every_line if cut_lines else None
+    lines = Passages(history, breaks.lines(), block_tokens) if cut_lines else None
     return [b for b in selected if b < sink_blocks] + top_blocks(ranked, top, 0, lo, hi, passages, passage_blocks,
                                                                  lines)
 
