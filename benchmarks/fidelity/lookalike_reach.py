@@ -40,7 +40,7 @@ import report_header as H  # noqa: E402
 import sessions as S  # noqa: E402
 from replay import PLANTED, is_evidence, lookalike_ranking, planted_matches  # noqa: E402
 from select_reach import add_view_args, method_trials, view_at  # noqa: E402
-from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
+from vllm_sekv.workspace.vocabulary import Vocabulary  # noqa: E402
 
 
 def planted_facts(tokenizer, prompt: list[int], family: str, evidence: list[str], block_tokens: int) -> list[range]:
@@ -72,15 +72,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows, breaks = [], break_token_ids(tokenizer)
+    rows, vocab = [], Vocabulary.of(tokenizer)
     for family, seed, q, r, session, prompt in method_trials(args, tokenizer):
         views = {"served": set(r["selected_blocks"]),
-                 "rebuilt": view_at(prompt, r, args.limit, breaks, args.passage_blocks, args.sink_blocks,
+                 "rebuilt": view_at(prompt, r, args.limit, vocab, args.passage_blocks, args.sink_blocks,
                                     args.recent_blocks, args.block_tokens)}
         row = {"family": family, "seed": seed, "question": q, "correct": r["correct"]}
         for name, view in views.items():
             row[f"{name}_in_view"] = all(b in view for b in r["answer_blocks"] or [])
-        ranked, kept = lookalike_ranking(prompt, r, breaks, True, args.sink_blocks, args.recent_blocks,
+        ranked, kept = lookalike_ranking(prompt, r, vocab, True, args.sink_blocks, args.recent_blocks,
                                          args.block_tokens)
         evidence = [b for b in r["answer_blocks"] or [] if b in ranked]
         row["evidence_place"] = min((ranked.index(b) for b in evidence), default=None)

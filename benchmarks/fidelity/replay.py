@@ -106,7 +106,8 @@ from corpora import Corpora  # noqa: E402
 from report import read_trials, wilson  # noqa: E402
 from vllm_sekv.index import lexical  # noqa: E402
 from vllm_sekv.index.lookalikes import lead_block, lookalike_mask  # noqa: E402
-from vllm_sekv.workspace.passages import Passages, break_token_ids  # noqa: E402
+from vllm_sekv.workspace.passages import Passages  # noqa: E402
+from vllm_sekv.workspace.vocabulary import Vocabulary  # noqa: E402
 from vllm_sekv.workspace.view_passes import choose_blocks  # noqa: E402
 
 VARIANTS = ("as-run", "no-lookalikes", "separated", "recency-fill", "evidence-fill", "evidence-plus", "lexical-hop",
@@ -191,40 +192,42 @@ def in_turn(rankings: list[list[int]]) -> list[int]:
 
 
 def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], lead: tuple[int, int], lo: int,
-                          hi: int, block_tokens: int, lines: Passages | None = None) -> list[int]:
+                          hi: int, block_tokens: int, lines: Passages | None = None,
+                          words: np.ndarray | None = None) -> list[int]:
     """`ranked` (blocks in `[lo, hi)`, best first) without the look-alikes of
     the lead lines `lead` (`index.lookalikes.lookalike_mask` over every block in
     `[lo, hi)` as candidates, those of `ranked` first in its order, each
-    judged by its lines where the history's `lines` are given)."""
+    judged by its lines where the history's `lines` are given, its tokens
+    compared by `words` where given: `Vocabulary.words`)."""
     candidates = list(range(lo, hi))
     first = [b - lo for b in ranked]
     order = first + sorted(set(range(hi - lo)) - set(first))
     spans = None if lines is None else lines.line_spans(np.asarray(candidates, dtype=np.int64))
-    mask = lookalike_mask(np.asarray(history), candidates, order, lead, query, block_tokens, spans)
+    mask = lookalike_mask(np.asarray(history), candidates, order, lead, query, block_tokens, spans, words)
     return [b for b in ranked if not mask[b - lo]]
 
 
-def lookalike_ranking(prompt: list[int], trial: dict, breaks, hop: bool, sink_blocks: int, recent_blocks: int,
+def lookalike_ranking(prompt: list[int], trial: dict, vocab, hop: bool, sink_blocks: int, recent_blocks: int,
                       block_tokens: int) -> tuple[list[int], list[int]]:
     """(the probes' rankings of the trial's view taken in turn, the same
     without the lead lines' look-alikes), as a server with `view_lookalikes`
     drop ranks them: the trial's `probe_ranked`, with `hop` the lexical hop
     from the lead lines as the second, each judged by its lines
-    (`without_lookalikes_of`)."""
+    (`without_lookalikes_of`); `vocab`: the tokenizer's `Vocabulary`."""
     selected = trial["selected_blocks"]
     lo, hi = sink_blocks, max(selected) + 1 - recent_blocks
     end = (max(selected) + 1) * block_tokens
     history, new = prompt[:end], prompt[end:]
     probes = [[b for b in p if lo <= b < hi] for p in trial["probe_ranked"]]
-    lead = lead_lines(history, lead_block(history, probes[0], new, block_tokens), breaks, block_tokens)
+    lead = lead_lines(history, lead_block(history, probes[0], new, block_tokens), vocab.breaks, block_tokens)
     if hop:
         probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), block_tokens))
-    every_line = Passages(history, breaks.lines(), block_tokens)
+    every_line = Passages(history, vocab.breaks.lines(), block_tokens)
     ranked = in_turn(probes)
-    return ranked, without_lookalikes_of(history, new, ranked, lead, lo, hi, block_tokens, every_line)
+    return ranked, without_lookalikes_of(history, new, ranked, lead, lo, hi, block_tokens, every_line, vocab.words)
 
 
-def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, breaks, hop: bool, passage_blocks: int,
+def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, vocab, hop: bool, passage_blocks: int,
                          cut_lines: bool, sink_blocks: int, recent_blocks: int, block_tokens: int) -> list[int]:
     """The sink and the best blocks of the trial's view rebuilt as a server
     with `view_lookalikes` drop selects them: `lookalike_ranking`'s ranking
@@ -235,9 +238,9 @@ def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, breaks, hop: 
     selected = trial["selected_blocks"]
     lo, hi = sink_blocks, max(selected) + 1 - recent_blocks
     history = prompt[:(max(selected) + 1) * block_tokens]
-    _, ranked = lookalike_ranking(prompt, trial, breaks, hop, sink_blocks, recent_blocks, block_tokens)
-    passages = Passages(history, breaks, block_tokens) if passage_blocks else None
-    lines = Passages(history, breaks.lines(), block_tokens) if cut_lines else None
+    _, ranked = lookalike_ranking(prompt, trial, vocab, hop, sink_blocks, recent_blocks, block_tokens)
+    passages = Passages(history, vocab.breaks, block_tokens) if passage_blocks else None
+    lines = Passages(history, vocab.breaks.lines(), block_tokens) if cut_lines else None
     return [b for b in selected if b < sink_blocks] + top_blocks(ranked, top, 0, lo, hi, passages, passage_blocks,
                                                                  lines)
 
@@ -421,8 +424,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    breaks = break_token_ids(tokenizer) if args.fill_passages or args.fill_lines or "drop-lookalikes" in args.variants \
+    vocab = Vocabulary.of(tokenizer) if args.fill_passages or args.fill_lines or "drop-lookalikes" in args.variants \
         else None
+    breaks = None if vocab is None else vocab.breaks
     trials = {(Path(path).stem, *key): r for path in args.runs for key, r in read_trials([path]).items()}
     out_dir = Path(args.out)
     store = out_dir / "replay" / "trials.jsonl"
@@ -475,7 +479,7 @@ def main() -> None:
             elif variant == "drop-lookalikes":
                 if not r.get("probe_ranked"):
                     continue
-                best = drop_lookalikes_best(prompt, r, args.fill_top, breaks, args.hop_blocks > 0, args.fill_passages,
+                best = drop_lookalikes_best(prompt, r, args.fill_top, vocab, args.hop_blocks > 0, args.fill_passages,
                                             args.fill_lines, args.sink_blocks, args.recent_blocks, args.block_tokens)
                 ids = view_ids(prompt, recency_filled(selected, best), args.block_tokens)
             elif variant in ("evidence-fill", "evidence-plus"):

@@ -40,15 +40,15 @@ import sessions as S  # noqa: E402
 from corpora import Corpora  # noqa: E402
 from replay import drop_lookalikes_best, recency_filled  # noqa: E402
 from report import read_trials  # noqa: E402
-from vllm_sekv.workspace.passages import break_token_ids  # noqa: E402
+from vllm_sekv.workspace.vocabulary import Vocabulary  # noqa: E402
 
 
-def view_at(prompt: list[int], trial: dict, limit: int, breaks, passage_blocks: int, sink_blocks: int,
+def view_at(prompt: list[int], trial: dict, limit: int, vocab, passage_blocks: int, sink_blocks: int,
             recent_blocks: int, bt: int) -> set[int]:
     """The blocks of the view the trial's server would have served with
     `view_select_blocks` `limit`: sink, selection, latest history up to the
     served view's size (`replay.py`'s `drop-lookalikes` composition)."""
-    best = drop_lookalikes_best(prompt, trial, limit, breaks, True, passage_blocks, True, sink_blocks, recent_blocks,
+    best = drop_lookalikes_best(prompt, trial, limit, vocab, True, passage_blocks, True, sink_blocks, recent_blocks,
                                 bt)
     return set(recency_filled(trial["selected_blocks"], best))
 
@@ -90,9 +90,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows, breaks = [], break_token_ids(tokenizer)
+    rows, vocab = [], Vocabulary.of(tokenizer)
     for family, seed, q, r, _, prompt in method_trials(args, tokenizer):
-        held = [all(b in view_at(prompt, r, limit, breaks, args.passage_blocks, args.sink_blocks,
+        held = [all(b in view_at(prompt, r, limit, vocab, args.passage_blocks, args.sink_blocks,
                                  args.recent_blocks, args.block_tokens) for b in r["answer_blocks"])
                 for limit in args.limits]
         rows.append({"family": family, "seed": seed, "question": q, "correct": r["correct"],

@@ -109,14 +109,29 @@ def test_the_lead_block_is_the_one_the_questions_own_end_names():
 def test_a_name_sharing_a_piece_with_the_asked_one_is_a_lookalike():
     # "VAR AB = 42" asked by its name AB; "VAR QB = 77" shares the piece B (another service of the same kind)
     a, q = name(101, 102), name(111, 102)
-    lines = {50: [VAR, *a, EQ, 42], 120: [VAR, *q, EQ, 77], 200: [VAR, *E, EQ, 5], 260: [VAR, *a, 2000]}
+    lines = {50: [VAR, *a, EQ, 42], 120: [VAR, *q, EQ, 77], 200: [VAR, *E, EQ, 5], 230: [VAR, *G, EQ, 9],
+             260: [VAR, *a, 2000]}
     h = history(lines)
     candidates = list(range(2, 990))
-    order = [candidates.index(b) for b in (50, 120, 200)]
+    order = [candidates.index(b) for b in (50, 120, 200, 230)]
     order += [i for i in range(len(candidates)) if i not in order and candidates[i] != 260]
     order.insert(40, candidates.index(260))  # past the top: the piece B is in 2 of its blocks, not a template token
     mask = lookalike_mask(h, candidates, order, lead=LEAD, query=[2001, VAR, *a], block_tokens=BT)
-    assert {b for b, m in zip(candidates, mask) if m} == {120, 200}  # 260 names all of AB: kept
+    assert {b for b, m in zip(candidates, mask) if m} == {120, 200, 230}  # 260 names all of AB: kept
+
+
+def test_the_asked_names_pieces_gathered_with_it_are_not_a_template():
+    # A constant FOO_MIN: its uses (F _ M) rank best, its definition splits the name differently (F M'), and
+    # another constant BAR_MIN's uses (G _ M) share the piece M. F comes only with the asked name: not template.
+    F, M, M2, G_, US = 121, 122, 123, 124, int(PROSE[0])
+    uses, others = (50, 60, 70, 80), (100, 110, 130)
+    lines = {**{b: [F, US, M, EQ] for b in uses}, 90: [F, M2, EQ, 5], **{b: [G_, US, M] for b in others}}
+    h = history(lines)
+    candidates = list(range(2, 990))
+    order = [candidates.index(b) for b in (*uses, 90, *others)]
+    order += [i for i in range(len(candidates)) if i not in order]
+    mask = lookalike_mask(h, candidates, order, lead=LEAD, query=[2000, F, US, M], block_tokens=BT)
+    assert {b for b, m in zip(candidates, mask) if m} == set(others)  # the definition and the uses are kept
 
 
 def test_a_block_holding_only_a_cut_lines_end_is_judged_by_its_line():

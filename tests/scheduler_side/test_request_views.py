@@ -21,20 +21,21 @@ from vllm_sekv.workspace.hashing import extend_block_hashes
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.passages import BreakTokens
+from vllm_sekv.workspace.vocabulary import Vocabulary
 from vllm_sekv.workspace.view_passes import PassKind
 
 BT, HISTORY_BLOCKS = 16, 60
 SEKV = dict(block_tokens=BT, view_tokens=12 * BT, sink_tokens=BT, recent_tokens=2 * BT)
 
 
-def coordinator(break_tokens=None, edits=None, blocks=HISTORY_BLOCKS, **sekv) -> tuple[ViewCoordinator, list[int]]:
+def coordinator(vocabulary=None, edits=None, blocks=HISTORY_BLOCKS, **sekv) -> tuple[ViewCoordinator, list[int]]:
     """A coordinator whose workspace holds a history of `blocks` blocks (with
     `edits`, token position -> id, made to it), and a prompt of that history
     and 4 new tokens."""
     catalog = BlockCatalog(blocks + 8, LRUPolicy())
     planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
     views = ViewCoordinator(SekvConfig(**SEKV, **sekv), planner, tenant_of=str, window_tokens=4096,
-                            capacity_tokens=4096, break_tokens=break_tokens)
+                            capacity_tokens=4096, vocabulary=vocabulary)
     history = (np.arange(blocks * BT) % 97 + 1000).tolist()
     for at, token in (edits or {}).items():
         history[at] = token
@@ -151,7 +152,7 @@ BREAKS = BreakTokens(np.array([1050]), np.array([], dtype=np.int64), np.array([]
 
 def test_a_request_asks_for_its_selected_blocks_passages():
     loads = []
-    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or BREAKS)
+    views, prompt = coordinator(vocabulary=lambda: loads.append(1) or Vocabulary(BREAKS))
     scores = np.zeros(57)
     scores[[10, 30]] = [2.0, 1.0]  # blocks 11 and 31 best
     final = step(views, prompt, [scores], view_passage_blocks=8)[-1]
@@ -166,7 +167,7 @@ def test_a_request_asks_for_its_selected_blocks_passages():
 
 def test_a_servers_passages_load_the_breaks_at_start_up_and_a_request_may_ask_for_neighbours_instead():
     loads = []
-    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or BREAKS, view_passage_blocks=8)
+    views, prompt = coordinator(vocabulary=lambda: loads.append(1) or Vocabulary(BREAKS), view_passage_blocks=8)
     assert loads == [1]
     scores = np.zeros(57)
     scores[[10, 30]] = [2.0, 1.0]
@@ -187,7 +188,7 @@ def test_a_tokenizer_that_cannot_load_leaves_views_without_passages(caplog):
     def broken():
         raise OSError("no tokenizer files")
 
-    views, prompt = coordinator(break_tokens=broken)
+    views, prompt = coordinator(vocabulary=broken)
     scores = np.zeros(57)
     scores[[10, 30]] = [2.0, 1.0]
     final = step(views, prompt, [scores], view_passage_blocks=8)[-1]
@@ -203,7 +204,7 @@ LINES = BreakTokens(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np
 
 def test_a_request_asks_for_the_lines_its_selected_blocks_cut():
     loads = []
-    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or LINES)
+    views, prompt = coordinator(vocabulary=lambda: loads.append(1) or Vocabulary(LINES))
     assert loads == []  # found at the first request that asks
     scores = np.zeros(57)
     scores[[11, 30]] = [2.0, 1.0]  # blocks 12 and 31 best
@@ -218,7 +219,7 @@ def test_a_request_asks_for_the_lines_its_selected_blocks_cut():
 
 def test_a_servers_cut_lines_load_the_breaks_at_start_up_and_a_request_may_turn_them_off():
     loads = []
-    views, prompt = coordinator(break_tokens=lambda: loads.append(1) or LINES, view_cut_lines="on")
+    views, prompt = coordinator(vocabulary=lambda: loads.append(1) or Vocabulary(LINES), view_cut_lines="on")
     assert loads == [1]
     scores = np.zeros(57)
     scores[[11, 30]] = [2.0, 1.0]
@@ -281,18 +282,34 @@ def test_dropping_lookalikes_leaves_the_templates_other_instances_out():
     assert views.finish(SimpleNamespace(request_id="r"))["lookalike_blocks"] == 2
 
 
+def test_lookalikes_compare_words_a_block_spelling_the_asked_name_with_another_token_is_kept():
+    # block 33 writes the name 50001 as 50021, a token of the same word (`_MIN` beside `MIN`)
+    spelt = TEMPLATE | {33 * BT + 4: 50021}
+    words = np.arange(60000)
+    words[50021] = 50001
+    views, prompt = coordinator(edits=spelt, blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
+    assert 33 not in step(views, prompt, [template_scores()])[-1].ranked  # by token ids: a look-alike
+    loads = []
+    views, prompt = coordinator(vocabulary=lambda: loads.append(1) or Vocabulary(LINES, words), edits=spelt,
+                                blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
+    assert loads == [1]  # read at start-up: the server drops look-alikes
+    assert step(views, prompt, [template_scores()])[-1].ranked == (11, 33)
+
+
 def test_the_lead_block_is_the_one_the_questions_end_names_not_the_first_probes_best():
-    views, prompt = coordinator(edits=TEMPLATE, blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
+    # a third look-alike, block 25: the template has three instances about another name than the asked one
+    edits = TEMPLATE | {25 * BT + 2: 50010, 25 * BT + 3: 50011, 25 * BT + 4: 50005}
+    views, prompt = coordinator(edits=edits, blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
     scores = np.zeros(LONG - 3)
-    scores[[20, 10, 21, 32]] = [4.0, 3.0, 2.0, 1.0]  # block 21 (another name) first, then 11
+    scores[[20, 10, 21, 24, 32]] = [5.0, 4.0, 3.0, 2.0, 1.0]  # block 21 (another name) first, then 11
     probe, final = step(views, prompt[:-4] + [7, 8, 50001, 50001], [scores])  # the question names 50001
-    assert final.ranked == (11, 33)  # 11 leads: 21 and 22 are its look-alikes
+    assert final.ranked == (11, 33)  # 11 leads: 21, 22 and 25 are its look-alikes
 
 
 def test_the_lead_lines_run_past_the_lead_blocks_boundary_to_the_name_its_value_line_shares():
     # Block 11's last token starts a line (191..195) whose rest names 50001 in block 12; block 33 holds 50001
     named = {k: v for k, v in TEMPLATE.items() if k != 11 * BT + 4} | {12 * BT + 1: 50001}
-    views, prompt = coordinator(break_tokens=lambda: LINES, edits=named, blocks=LONG, view_lookalikes="drop",
+    views, prompt = coordinator(vocabulary=lambda: Vocabulary(LINES), edits=named, blocks=LONG, view_lookalikes="drop",
                                 view_select_blocks=2)
     assert step(views, prompt, [template_scores()])[-1].ranked == (11, 33)
     views, prompt = coordinator(edits=named, blocks=LONG, view_lookalikes="drop", view_select_blocks=2)

@@ -9,8 +9,9 @@ reading them answers with the wrong one's value (the oracle's prompt, which
 holds the asked turns only, does not). What tells them apart is a few rare
 tokens (the name), which BM25 over token ids sees and attention does not.
 
-Definitions, over token ids (a term is a token id), for the step's new
-tokens (the *query*) and a *lead* block (where the question leads):
+Definitions, over terms (a token id's word, `workspace.vocabulary`: `_MIN`
+and ` MIN` are one term; or the id itself), for the step's new tokens (the
+*query*) and a *lead* block (where the question leads):
 
 * A **rare** token is one that at most `RARE_SHARE` of the history blocks
   hold, or `RARE_BLOCKS` in a short history (a name, an identifier).
@@ -26,26 +27,38 @@ tokens (the *query*) and a *lead* block (where the question leads):
   after `VAR` leaves the name it points to in the next block.
 * The **top** is the ranking's best eighth of the candidates, at most
   `TOP_RANKED`. A token's **history share** is the share of history blocks
-  that hold it; its **top share** the share of the top's blocks.
-* A **template token** is a token of the lead lines that at least
-  `TEMPLATE_BLOCKS` of the top's blocks hold, with a top share at least
-  `LIFT` times its history share: the ranking gathers its occurrences
-  (`VAR`, `magic`), where a word of the prose or code around them (`the`,
-  `def`) is as common everywhere and is not one.
+  that hold it; its **top share** the share of the top's blocks. A token of
+  the lead lines is **gathered** where its top share is at least `LIFT`
+  times its history share: the ranking gathers its occurrences (`VAR`,
+  `magic`, an asked constant's name), where a word of the prose or code
+  around them (`the`, `def`) is as common everywhere and is not.
+* The **asked tokens** are the rare tokens that the lead lines share with
+  the query's last `QUESTION_TOKENS`. A block holds a token **about
+  something else** than a name where it does not hold every other token of
+  the name (every block, where the name has no other token).
+* The **asked name** (the template's slot) is the asked tokens that are not
+  gathered or that fewer than `TEMPLATE_BLOCKS` of the top's blocks hold
+  about something else than the asked tokens: `brisk` and `zephyr`; or an
+  asked constant's pieces, which its definition and its uses hold together.
+  An asked token that instances about other things share (`magic`) is not
+  part of it.
+* A **template token** is a gathered token of the lead lines outside the
+  asked name that at least `TEMPLATE_BLOCKS` of the top's blocks hold about
+  something else than the asked name.
 * A **distinctive token** is a rare token of the lead lines or of the
-  query that is not a template token. The **asked name** is the
-  distinctive tokens that the lead lines share with the query's last
-  `QUESTION_TOKENS` (what the question names, e.g. `brisk` and `zephyr`).
+  query that is neither a template token nor of the asked name.
 * A candidate's **lines** are its block with the rest of the lines its
   boundaries cut, where the caller gives them (`spans`); else the block.
 * A **look-alike** is a candidate not holding lead lines whose lines hold a
-  template token, and neither the whole asked name nor another distinctive
+  template token, and neither the whole asked name nor a distinctive
   token: the template, about something the question does not name, also
   where its name shares a piece with the asked one (`quiet-zephyr` beside
   `brisk-zephyr`) or where the block holds only a cut line's end (the value
-  after the name). Without template tokens (paragraphs of prose, code)
-  nothing is a look-alike, nor in a history shorter than `LIFT` times the
-  top (512 blocks), where no token's share can rise that far.
+  after the name). Without template tokens nothing is a look-alike, nor in
+  a history shorter than `LIFT` times the top (512 blocks), where no
+  token's share can rise that far; in prose and code the ranking gathers a
+  topic's words and a file's identifiers too, and their other occurrences
+  are look-alikes there.
 
 Pure numpy, blocking, no vLLM imports; inputs are never modified.
 """
@@ -56,7 +69,7 @@ from typing import Sequence
 import numpy as np
 
 TOP_RANKED = 32  # at most this many best candidates, whose shared tokens make a template
-TEMPLATE_BLOCKS = 3  # of them must hold a token of the lead lines for it to be template
+TEMPLATE_BLOCKS = 3  # of them must hold a token of the lead lines about something else for it to be template
 LIFT = 16  # and its share of them must be this many times its share of the history
 RARE_SHARE = 0.01  # at most this share of the history blocks hold a rare token
 RARE_BLOCKS = 4  # or at most this many
@@ -87,6 +100,15 @@ def _holding_spans(history: np.ndarray, terms: np.ndarray, spans: np.ndarray) ->
     return held
 
 
+def _elsewhere(held: np.ndarray, name: np.ndarray) -> np.ndarray:
+    """For each term, how many of the blocks `held` (`[blocks, terms]`) hold
+    it but not every other term of `name` (a mask over terms; every block
+    where `name` has no other term): its occurrences about something else."""
+    needed = name.sum() - name
+    others = held[:, name].sum(axis=1, keepdims=True) - (held & name)
+    return (held & ((others < needed) | (needed == 0))).sum(axis=0)
+
+
 def _rare(history_count: np.ndarray, num_blocks: int) -> np.ndarray:
     """Whether each token held by `history_count` of `num_blocks` history blocks is rare."""
     return history_count <= max(RARE_SHARE * num_blocks, RARE_BLOCKS)
@@ -107,15 +129,19 @@ def lead_block(history: np.ndarray, best: Sequence[int], query: Sequence[int], b
 
 
 def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequence[int], lead: tuple[int, int],
-                   query: Sequence[int], block_tokens: int, spans: np.ndarray | None = None) -> np.ndarray:
+                   query: Sequence[int], block_tokens: int, spans: np.ndarray | None = None,
+                   words: np.ndarray | None = None) -> np.ndarray:
     """Which of `candidates` (block indices of `history`, token ids in
     virtual order) are look-alikes of the lead lines `history[lead[0]:
     lead[1]]` (see the module's definitions). `order`: indices into
     `candidates`, best first (the view's ranking); `query`: the step's new
     tokens; `spans`: each candidate's lines, `[len(candidates), 2]` token
-    ranges (`Passages.line_spans`), None: the blocks alone. Bool
-    `[len(candidates)]`."""
+    ranges (`Passages.line_spans`), None: the blocks alone; `words`: each
+    token id's word (`workspace.vocabulary`), by which tokens are terms, None:
+    each id is its own. Bool `[len(candidates)]`."""
     candidates = np.asarray(candidates, dtype=np.int64)
+    if words is not None:
+        history, query = words[np.asarray(history, dtype=np.int64)], words[np.asarray(query, dtype=np.int64)]
     num_blocks = len(history) // block_tokens
     mask = np.zeros(len(candidates), dtype=bool)
     if num_blocks == 0 or len(candidates) == 0:
@@ -124,18 +150,19 @@ def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequen
     lead_terms = np.unique(np.asarray(history[start:end], dtype=np.int64))
     terms = np.union1d(lead_terms, np.asarray(query, dtype=np.int64))
     held, history_count = _holding(history, terms, block_tokens)
-    top = candidates[np.asarray(order, dtype=np.int64)[: min(TOP_RANKED, max(len(candidates) // 8, 1))]]
-    top_count = held[top].sum(axis=0)
-    lifted = top_count * num_blocks >= LIFT * history_count * len(top)
-    template = np.isin(terms, lead_terms) & (top_count >= TEMPLATE_BLOCKS) & lifted
+    rare, in_lead = _rare(history_count, num_blocks), np.isin(terms, lead_terms)
+    asked = rare & in_lead & np.isin(terms, np.asarray(query[-QUESTION_TOKENS:], dtype=np.int64))
+    top = held[candidates[np.asarray(order, dtype=np.int64)[: min(TOP_RANKED, max(len(candidates) // 8, 1))]]]
+    lifted = top.sum(axis=0) * num_blocks >= LIFT * history_count * len(top)
+    gathered = in_lead & lifted
+    slot = asked & ~(gathered & (_elsewhere(top, asked) >= TEMPLATE_BLOCKS))
+    template = gathered & ~slot & (_elsewhere(top, slot) >= TEMPLATE_BLOCKS)
     if not template.any():
         return mask
-    distinctive = ~template & _rare(history_count, num_blocks)
-    named = distinctive & np.isin(terms, lead_terms) & np.isin(terms, np.asarray(query[-QUESTION_TOKENS:]))
     lines = held[candidates] if spans is None else _holding_spans(history, terms, np.asarray(spans, np.int64))
-    keep = lines[:, distinctive & ~named].any(axis=1)
-    if named.any():
-        keep |= lines[:, named].all(axis=1)
+    keep = lines[:, rare & ~template & ~slot].any(axis=1)  # a distinctive token
+    if slot.any():
+        keep |= lines[:, slot].all(axis=1)
     mask = lines[:, template].any(axis=1) & ~keep
     mask[(candidates >= start // block_tokens) & (candidates <= (end - 1) // block_tokens)] = False
     return mask

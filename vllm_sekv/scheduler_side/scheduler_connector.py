@@ -25,7 +25,7 @@ from vllm_sekv.store.nvme import DirLock, NvmeLayout
 from vllm_sekv.store.records import record_bytes
 from vllm_sekv.workspace.catalog import BlockCatalog
 from vllm_sekv.workspace.manifest import ManifestWriter, open_or_set_aside
-from vllm_sekv.workspace.passages import break_token_ids
+from vllm_sekv.workspace.vocabulary import Vocabulary
 from vllm_sekv.workspace.planner import WorkspacePlanner
 from vllm_sekv.workspace.sessions import SessionTable
 from vllm_sekv.workspace.tenants import TenantKeys, resolve_secret
@@ -84,7 +84,7 @@ class SekvSchedulerSide:
             self.tenants.of,
             window_tokens=compat.native_window_tokens(vllm_config),
             capacity_tokens=compat.kv_capacity_tokens(kv_cache_config, vllm_config),
-            break_tokens=lambda: break_token_ids(compat.load_tokenizer(vllm_config)),
+            vocabulary=lambda: Vocabulary.of(compat.load_tokenizer(vllm_config)),
         )
         self._requests: dict[str, Any] = {}
         self._matches_offered: set[str] = set()  # requests whose match went to `head_start.offer_match`

@@ -32,7 +32,8 @@ from vllm_sekv.workspace.coarse_plan import CoarsePlan, plan_summaries
 from vllm_sekv.workspace.hashing import JoinedTokens
 from vllm_sekv.workspace.step_plan import LowRankBlock, lowrank_blocks
 from vllm_sekv.workspace.planner import WorkspacePlanner
-from vllm_sekv.workspace.passages import BreakTokens, Passages
+from vllm_sekv.workspace.passages import Passages
+from vllm_sekv.workspace.vocabulary import Vocabulary
 from vllm_sekv.workspace.segments import anchors_by_surprisal, segment
 from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
@@ -70,9 +71,7 @@ class ViewJob:
     passages: Passages | None = None  # the history's passages, found at the first probe that needs them
     cut_lines: bool = False  # complete the lines the selected blocks' boundaries cut (likewise)
     lines: Passages | None = None  # the history's lines, found where the lead lines or the final view need them
-    # The zoom router's rank for each of probe.candidates (restore_codec
-    # "router"; <= 0: exact); None without a router's report.
-    ranks: np.ndarray | None = None
+    ranks: np.ndarray | None = None  # the zoom router's rank per probe candidate (<= 0: exact); None: no report
     num_passes: dict[str, int] = field(default_factory=dict)
     # [kind, chosen, done] of each pass, seconds since admission (done: None
     # for the sampling pass); where a view step's time goes.
@@ -107,12 +106,13 @@ class ViewJob:
 class ViewCoordinator:
     def __init__(
         self, config: SekvConfig, planner: WorkspacePlanner, tenant_of: Callable[[str], str], window_tokens: int,
-        capacity_tokens: int, break_tokens: Callable[[], BreakTokens] | None = None,
+        capacity_tokens: int, vocabulary: Callable[[], Vocabulary] | None = None,
     ) -> None:
-        """`break_tokens`: returns the tokenizer's passage and line break ids
-        (`passages.break_token_ids`); called once, at start-up when the server
-        sets `view_passage_blocks` or `view_cut_lines`, else at the first
-        request that asks for passages or lines. None: no request may."""
+        """`vocabulary`: returns the tokenizer's break tokens and words
+        (`Vocabulary.of`); called once, at start-up when the server sets
+        `view_passage_blocks`, `view_cut_lines` or `view_lookalikes` drop,
+        else at the first request that asks for one of them. None: no request
+        may ask for passages or lines, and look-alikes compare token ids."""
         self.config = config
         self.planner = planner
         self.tenant_of = tenant_of  # a client's cache salt -> its tenant key
@@ -131,34 +131,33 @@ class ViewCoordinator:
         # restore_codec "lowrank(r)": r; 0 for "exact" and "router" (ranks per block).
         codec = config.restore_codec
         self.codec_rank = 0 if codec in ("exact", ROUTER_CODEC) else parse_codec(codec).rank
-        self._break_tokens = break_tokens
-        self._breaks: BreakTokens | None = None
+        self._read_vocabulary = vocabulary
+        self._vocab: Vocabulary | None = None
         needs_breaks = [key for key, on in (("view_passage_blocks", bool(config.view_passage_blocks)),
                                             ("view_cut_lines", config.view_cut_lines == "on")) if on]
-        if needs_breaks:
-            if break_tokens is None:
-                raise ValueError(f"sekv config '{needs_breaks[0]}': this server has no tokenizer to find "
-                                 f"passage and line breaks with")
-            self._breaks = self._find_breaks()
+        if needs_breaks and vocabulary is None:
+            raise ValueError(f"sekv config '{needs_breaks[0]}': this server has no tokenizer to find "
+                             f"passage and line breaks with")
+        if needs_breaks or (config.view_lookalikes == "drop" and vocabulary is not None):
+            self._vocab = self._read()
 
-    def _find_breaks(self) -> BreakTokens:
+    def _read(self) -> Vocabulary:
         started = time.monotonic()
-        breaks = self._break_tokens()
-        logger.info("sekv: the tokenizer's passage breaks found in %.1f s (%d tokens end a passage alone)",
-                    time.monotonic() - started, len(breaks.whole))
-        return breaks
+        vocab = self._read_vocabulary()
+        logger.info("sekv: the tokenizer's break tokens and words found in %.1f s", time.monotonic() - started)
+        return vocab
 
-    def _passage_breaks(self) -> BreakTokens | None:
-        """The break token ids, found at the first call; None where the
-        tokenizer cannot be loaded (logged once; views then take no passages)."""
-        if self._breaks is None and self._break_tokens is not None:
+    def _vocabulary(self) -> Vocabulary | None:
+        """The tokenizer's break tokens and words, read at the first call; None where it
+        cannot be loaded (logged once: no passages or cut lines, look-alikes by token ids)."""
+        if self._vocab is None and self._read_vocabulary is not None:
             try:
-                self._breaks = self._find_breaks()
+                self._vocab = self._read()
             except Exception as e:  # noqa: BLE001 - a request must not stop the engine
                 logger.warning("sekv: no passage or line breaks (%s); views take selected blocks without "
                                "their passages or cut lines", e)
-                self._break_tokens = None
-        return self._breaks
+                self._read_vocabulary = None
+        return self._vocab
 
     # ------------------------------------------------------------ admission
 
@@ -233,18 +232,18 @@ class ViewCoordinator:
         if not job.passage_blocks:
             return None
         if job.passages is None:
-            breaks = self._passage_breaks()
-            if breaks is None:
+            vocab = self._vocabulary()
+            if vocab is None:
                 job.passage_blocks = 0
                 return None
-            job.passages = Passages(job.prompt[: job.probe.tail_start], breaks, job.budget.block_tokens)
+            job.passages = Passages(job.prompt[: job.probe.tail_start], vocab.breaks, job.budget.block_tokens)
         return job.passages
 
     def _history_lines(self, job: ViewJob) -> Passages | None:
         """The job's history lines (found once per job); None where the
         tokenizer's breaks are unknown."""
-        if job.lines is None and (breaks := self._passage_breaks()) is not None:
-            job.lines = Passages(job.prompt[: job.probe.tail_start], breaks.lines(), job.budget.block_tokens)
+        if job.lines is None and (vocab := self._vocabulary()) is not None:
+            job.lines = Passages(job.prompt[: job.probe.tail_start], vocab.breaks.lines(), job.budget.block_tokens)
         return job.lines
 
     def _lines(self, job: ViewJob) -> Passages | None:
@@ -340,10 +339,11 @@ class ViewCoordinator:
         if self.config.lexical_weight:
             scores = lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
         if job.drop_lookalikes and job.lead is not None:
-            probe, lines = job.probe, self._history_lines(job)
+            probe, lines, vocab = job.probe, self._history_lines(job), self._vocabulary()
             spans = None if lines is None else lines.line_spans(np.asarray(probe.candidates, dtype=np.int64))
             mask = lookalike_mask(job.history_ids, probe.candidates, rank_order(scores), job.lead,
-                                  job.prompt[probe.tail_start:], job.budget.block_tokens, spans)
+                                  job.prompt[probe.tail_start:], job.budget.block_tokens, spans,
+                                  None if vocab is None else vocab.words)
             scores = np.where(mask, -np.inf, scores)
             job.lookalikes = int(mask.sum())
         return scores

@@ -78,17 +78,26 @@ class BreakTokens:
 def break_token_ids(tokenizer) -> BreakTokens:
     """`tokenizer`'s break tokens. One decode of each id of the vocabulary
     (0.1 s for SmolLM2's 49K ids on one CPU core); do it once per server."""
-    size = len(tokenizer)
-    texts = tokenizer.batch_decode([[i] for i in range(size)])
+    return break_tokens_of(*decoded_vocabulary(tokenizer))
+
+
+def decoded_vocabulary(tokenizer) -> tuple[list[str], set[int]]:
+    """(the text of each id of `tokenizer`'s vocabulary, its special ids)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     special = {int(i) for i in tokenizer.all_special_ids}
     special.update(int(i) for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
                    if getattr(added, "special", False))
+    return texts, special
+
+
+def break_tokens_of(texts: list[str], special: set[int]) -> BreakTokens:
+    """The break tokens of a vocabulary (`decoded_vocabulary`)."""
 
     def ids(keep) -> np.ndarray:
         return np.asarray([i for i, text in enumerate(texts) if i not in special and keep(text)], dtype=np.int64)
 
     whole = ids(lambda text: PARAGRAPH_BREAK in text)
-    whole = np.union1d(whole, np.asarray(sorted(i for i in special if 0 <= i < size), dtype=np.int64))
+    whole = np.union1d(whole, np.asarray(sorted(i for i in special if 0 <= i < len(texts)), dtype=np.int64))
     return BreakTokens(whole, ids(lambda text: text.endswith("\n")), ids(lambda text: text.startswith("\n")),
                        ids(lambda text: "\n" in text))
 

@@ -1,0 +1,48 @@
+"""What a view reads from its model's tokenizer, found once per server with
+one decode of each id of the vocabulary (`Vocabulary.of`).
+
+* `breaks`: the ids that end passages and lines (`passages.BreakTokens`).
+* `words`: each id's **word**: the first id of the vocabulary whose text,
+  without the spaces and underscores it begins with, is the same as its own.
+  `_MIN`, ` MIN` and `MIN` are one word: the piece of a name written
+  `X_MIN`, `(MIN` or `\\n_MIN`, which a byte-pair tokenizer splits into
+  different tokens by what precedes it. Look-alikes (`index.lookalikes`)
+  compare names by words.
+
+Pure numpy after the decode, no vLLM, blocking.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_sekv.workspace.passages import BreakTokens, break_tokens_of, decoded_vocabulary
+
+WORD_PREFIX = " _"  # the characters a token's text may begin with and still spell its word
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A tokenizer's break tokens and words (see the module)."""
+
+    breaks: BreakTokens
+    words: np.ndarray | None = None  # int64 [vocabulary size]; None: each id is its own word
+
+    @classmethod
+    def of(cls, tokenizer) -> Vocabulary:
+        """`tokenizer`'s vocabulary facts (0.2 s for SmolLM2's 49K ids on one CPU core)."""
+        texts, special = decoded_vocabulary(tokenizer)
+        return cls(break_tokens_of(texts, special), words_of(texts, special))
+
+
+def words_of(texts: list[str], special: set[int]) -> np.ndarray:
+    """Each id's word (see the module) for the vocabulary `texts`; a special
+    id, or one whose text is all spaces and underscores, is its own."""
+    first: dict[str, int] = {}
+    words = np.arange(len(texts), dtype=np.int64)
+    for i, text in enumerate(texts):
+        word = text.lstrip(WORD_PREFIX)
+        if word and i not in special:
+            words[i] = first.setdefault(word, i)
+    return words
