@@ -148,3 +148,23 @@ def test_a_block_holding_only_a_cut_lines_end_is_judged_by_its_line():
     lines_of = {b for b, m in zip(candidates, lookalike_mask(*args, spans=spans)) if m}
     assert 121 not in alone and 121 in lines_of
     assert lines_of - {121} == alone
+
+
+
+def test_tokens_compare_by_word_and_an_id_past_the_vocabulary_is_its_own():
+    # the constant F _ M of the test above; its definition writes F as F2, a token of the same word
+    F, F2, M, G_, US, SET = 121, 125, 122, 124, int(PROSE[0]), int(PROSE[1])  # `_`, `=`: common tokens
+    uses, others = (50, 60, 70, 80), (100, 110, 130)
+    lines = {**{b: [F, US, M, SET] for b in uses}, 90: [F2, M, SET, 5], **{b: [G_, US, M] for b in others},
+             300: [5000, *PROSE[:3]]}  # 5000: an id past the tokenizer's vocabulary
+    h = history(lines)
+    words = np.arange(1100)
+    words[F2] = F
+    candidates = list(range(2, 990))
+    order = [candidates.index(b) for b in (*uses, 90, *others)]
+    order += [i for i in range(len(candidates)) if i not in order]
+    args = (h, candidates, order, LEAD, [2000, F, US, M], BT)
+    by_id = {b for b, m in zip(candidates, lookalike_mask(*args)) if m}
+    by_word = {b for b, m in zip(candidates, lookalike_mask(*args, words=words)) if m}
+    assert by_id == {90, *others}  # by ids the definition lacks F and holds the template token M
+    assert by_word == set(others)

@@ -109,6 +109,14 @@ def _elsewhere(held: np.ndarray, name: np.ndarray) -> np.ndarray:
     return (held & ((others < needed) | (needed == 0))).sum(axis=0)
 
 
+def _as_words(ids: Sequence[int] | np.ndarray, words: np.ndarray) -> np.ndarray:
+    """`ids`' words; an id past the tokenizer's vocabulary (a model's padded
+    rows) is its own."""
+    ids = np.asarray(ids, dtype=np.int64)
+    inside = (ids >= 0) & (ids < len(words))
+    return np.where(inside, words[np.where(inside, ids, 0)], ids)
+
+
 def _rare(history_count: np.ndarray, num_blocks: int) -> np.ndarray:
     """Whether each token held by `history_count` of `num_blocks` history blocks is rare."""
     return history_count <= max(RARE_SHARE * num_blocks, RARE_BLOCKS)
@@ -141,7 +149,7 @@ def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequen
     each id is its own. Bool `[len(candidates)]`."""
     candidates = np.asarray(candidates, dtype=np.int64)
     if words is not None:
-        history, query = words[np.asarray(history, dtype=np.int64)], words[np.asarray(query, dtype=np.int64)]
+        history, query = _as_words(history, words), _as_words(query, words)
     num_blocks = len(history) // block_tokens
     mask = np.zeros(len(candidates), dtype=bool)
     if num_blocks == 0 or len(candidates) == 0:

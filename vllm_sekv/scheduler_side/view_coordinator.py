@@ -155,7 +155,7 @@ class ViewCoordinator:
                 self._vocab = self._read()
             except Exception as e:  # noqa: BLE001 - a request must not stop the engine
                 logger.warning("sekv: no passage or line breaks (%s); views take selected blocks without "
-                               "their passages or cut lines", e)
+                               "their passages or cut lines, and look-alikes compare token ids", e)
                 self._read_vocabulary = None
         return self._vocab
 

@@ -31,7 +31,7 @@ class Vocabulary:
 
     @classmethod
     def of(cls, tokenizer) -> Vocabulary:
-        """`tokenizer`'s vocabulary facts (0.2 s for SmolLM2's 49K ids on one CPU core)."""
+        """`tokenizer`'s vocabulary facts (about 2 s for Qwen2.5's 152K ids on a 2-core CPU)."""
         texts, special = decoded_vocabulary(tokenizer)
         return cls(break_tokens_of(texts, special), words_of(texts, special))
 
