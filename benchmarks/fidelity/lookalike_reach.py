@@ -74,14 +74,14 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows, vocab = [], Vocabulary.of(tokenizer)
     for family, seed, q, r, session, prompt in method_trials(args, tokenizer):
+        ranked, kept = lookalike_ranking(prompt, r, vocab, True, args.sink_blocks, args.recent_blocks,
+                                         args.block_tokens)
         views = {"served": set(r["selected_blocks"]),
                  "rebuilt": view_at(prompt, r, args.limit, vocab, args.passage_blocks, args.sink_blocks,
-                                    args.recent_blocks, args.block_tokens)}
+                                    args.recent_blocks, args.block_tokens, kept)}
         row = {"family": family, "seed": seed, "question": q, "correct": r["correct"]}
         for name, view in views.items():
             row[f"{name}_in_view"] = all(b in view for b in r["answer_blocks"] or [])
-        ranked, kept = lookalike_ranking(prompt, r, vocab, True, args.sink_blocks, args.recent_blocks,
-                                         args.block_tokens)
         evidence = [b for b in r["answer_blocks"] or [] if b in ranked]
         row["evidence_place"] = min((ranked.index(b) for b in evidence), default=None)
         row["evidence_left_out"] = sorted(set(evidence) - set(kept))

@@ -228,17 +228,20 @@ def lookalike_ranking(prompt: list[int], trial: dict, vocab, hop: bool, sink_blo
 
 
 def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, vocab, hop: bool, passage_blocks: int,
-                         cut_lines: bool, sink_blocks: int, recent_blocks: int, block_tokens: int) -> list[int]:
+                         cut_lines: bool, sink_blocks: int, recent_blocks: int, block_tokens: int,
+                         kept: list[int] | None = None) -> list[int]:
     """The sink and the best blocks of the trial's view rebuilt as a server
     with `view_lookalikes` drop selects them: `lookalike_ranking`'s ranking
-    without look-alikes, then the first `top` blocks with their passages of
-    up to `passage_blocks` blocks (0: alone) and, with `cut_lines`, the rest
-    of the lines their boundaries cut (`top_blocks`). The latest history is
-    not included (`recency_filled` adds it)."""
+    without look-alikes (`kept`, where the caller has it), then the first
+    `top` blocks with their passages of up to `passage_blocks` blocks (0:
+    alone) and, with `cut_lines`, the rest of the lines their boundaries cut
+    (`top_blocks`). The latest history is not included (`recency_filled`
+    adds it)."""
     selected = trial["selected_blocks"]
     lo, hi = sink_blocks, max(selected) + 1 - recent_blocks
     history = prompt[:(max(selected) + 1) * block_tokens]
-    _, ranked = lookalike_ranking(prompt, trial, vocab, hop, sink_blocks, recent_blocks, block_tokens)
+    ranked = kept if kept is not None else lookalike_ranking(prompt, trial, vocab, hop, sink_blocks, recent_blocks,
+                                                             block_tokens)[1]
     passages = Passages(history, vocab.breaks, block_tokens) if passage_blocks else None
     lines = Passages(history, vocab.breaks.lines(), block_tokens) if cut_lines else None
     return [b for b in selected if b < sink_blocks] + top_blocks(ranked, top, 0, lo, hi, passages, passage_blocks,

@@ -44,12 +44,13 @@ from vllm_sekv.workspace.vocabulary import Vocabulary  # noqa: E402
 
 
 def view_at(prompt: list[int], trial: dict, limit: int, vocab, passage_blocks: int, sink_blocks: int,
-            recent_blocks: int, bt: int) -> set[int]:
+            recent_blocks: int, bt: int, kept: list[int] | None = None) -> set[int]:
     """The blocks of the view the trial's server would have served with
     `view_select_blocks` `limit`: sink, selection, latest history up to the
-    served view's size (`replay.py`'s `drop-lookalikes` composition)."""
+    served view's size (`replay.py`'s `drop-lookalikes` composition; `kept`:
+    its ranking without look-alikes, where the caller has it)."""
     best = drop_lookalikes_best(prompt, trial, limit, vocab, True, passage_blocks, True, sink_blocks, recent_blocks,
-                                bt)
+                                bt, kept)
     return set(recency_filled(trial["selected_blocks"], best))
 
 
