@@ -193,17 +193,18 @@ def in_turn(rankings: list[list[int]]) -> list[int]:
 
 def without_lookalikes_of(history: list[int], query: list[int], ranked: list[int], lead: tuple[int, int], lo: int,
                           hi: int, block_tokens: int, lines: Passages | None = None,
-                          words: np.ndarray | None = None) -> list[int]:
+                          words: np.ndarray | None = None, turns: np.ndarray | None = None) -> list[int]:
     """`ranked` (blocks in `[lo, hi)`, best first) without the look-alikes of
     the lead lines `lead` (`index.lookalikes.lookalike_mask` over every block in
     `[lo, hi)` as candidates, those of `ranked` first in its order, each
     judged by its lines where the history's `lines` are given, its tokens
-    compared by `words` where given: `Vocabulary.words`)."""
+    compared by `words` where given: `Vocabulary.words`, its question
+    delimited by `turns` where given: `Vocabulary.turns`)."""
     candidates = list(range(lo, hi))
     first = [b - lo for b in ranked]
     order = first + sorted(set(range(hi - lo)) - set(first))
     spans = None if lines is None else lines.line_spans(np.asarray(candidates, dtype=np.int64))
-    mask = lookalike_mask(np.asarray(history), candidates, order, lead, query, block_tokens, spans, words)
+    mask = lookalike_mask(np.asarray(history), candidates, order, lead, query, block_tokens, spans, words, turns)
     return [b for b in ranked if not mask[b - lo]]
 
 
@@ -224,7 +225,8 @@ def lookalike_ranking(prompt: list[int], trial: dict, vocab, hop: bool, sink_blo
         probes.insert(1, lexical_hop(history, lead, lo, hi, len(probes[0]), block_tokens))
     every_line = Passages(history, vocab.breaks.lines(), block_tokens)
     ranked = in_turn(probes)
-    return ranked, without_lookalikes_of(history, new, ranked, lead, lo, hi, block_tokens, every_line, vocab.words)
+    return ranked, without_lookalikes_of(history, new, ranked, lead, lo, hi, block_tokens, every_line, vocab.words,
+                                         vocab.turns)
 
 
 def drop_lookalikes_best(prompt: list[int], trial: dict, top: int, vocab, hop: bool, passage_blocks: int,

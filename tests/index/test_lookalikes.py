@@ -3,7 +3,7 @@ out, the asked chain and prose are not; the lead block is the one the
 question's own rare tokens name."""
 import numpy as np
 
-from vllm_sekv.index.lookalikes import LEAD_CANDIDATES, lead_block, lookalike_mask
+from vllm_sekv.index.lookalikes import LEAD_CANDIDATES, QUESTION_TOKENS, lead_block, lookalike_mask, question_of
 
 BT = 8
 VAR, EQ = 7, 8  # the template's tokens: in the planted lines only
@@ -168,3 +168,27 @@ def test_tokens_compare_by_word_and_an_id_past_the_vocabulary_is_its_own():
     by_word = {b for b, m in zip(candidates, lookalike_mask(*args, words=words)) if m}
     assert by_id == {90, *others}  # by ids the definition lacks F and holds the template token M
     assert by_word == set(others)
+
+
+TURN = 900  # a turn token (the tokenizer's special id starting or ending a chat turn)
+
+
+def test_the_question_is_the_turn_holding_the_querys_end():
+    asked = [3000 + i for i in range(QUESTION_TOKENS + 8)]  # longer than QUESTION_TOKENS
+    query = [1, 2, TURN, 4, TURN, *asked, TURN, 5, 6]  # the previous exchange, the question, the answer's start
+    assert question_of(query, np.array([TURN])).tolist() == [*asked, TURN, 5, 6]
+    assert question_of(query, None).tolist() == query  # turns unknown: the whole query
+    assert question_of(asked, np.array([TURN])).tolist() == asked  # no turn token before its end
+
+
+def test_a_name_the_previous_exchange_gives_is_not_the_questions():
+    # the query begins with an earlier answer naming the chain E -> G it followed; then the question about A
+    h = history(LINES)
+    candidates = list(range(2, 990))
+    ranked = [50, 120, 200, 90, 260, 3, 4, 5]
+    order = [candidates.index(b) for b in ranked] + [i for i, b in enumerate(candidates) if b not in ranked]
+    query = [VAR, *E, 2001, TURN, *PROSE[: QUESTION_TOKENS], VAR, *A]
+    whole = lookalike_mask(h, candidates, order, lead=LEAD, query=query, block_tokens=BT)
+    turn = lookalike_mask(h, candidates, order, lead=LEAD, query=query, block_tokens=BT, turns=np.array([TURN]))
+    assert {b for b, m in zip(candidates, whole) if m} == {200, 260}  # E keeps its chain's first line
+    assert {b for b, m in zip(candidates, turn) if m} == {120, 200, 260}

@@ -34,7 +34,7 @@ def coordinator(vocabulary=None, edits=None, blocks=HISTORY_BLOCKS, **sekv) -> t
     and 4 new tokens."""
     catalog = BlockCatalog(blocks + 8, LRUPolicy())
     planner = WorkspacePlanner(catalog, SessionTable(), BT, 16)
-    views = ViewCoordinator(SekvConfig(**SEKV, **sekv), planner, tenant_of=str, window_tokens=4096,
+    views = ViewCoordinator(SekvConfig(**{**SEKV, **sekv}), planner, tenant_of=str, window_tokens=4096,
                             capacity_tokens=4096, vocabulary=vocabulary)
     history = (np.arange(blocks * BT) % 97 + 1000).tolist()
     for at, token in (edits or {}).items():
@@ -294,6 +294,16 @@ def test_lookalikes_compare_words_a_block_spelling_the_asked_name_with_another_t
                                 blocks=LONG, view_lookalikes="drop", view_select_blocks=2)
     assert loads == [1]  # read at start-up: the server drops look-alikes
     assert step(views, prompt, [template_scores()])[-1].ranked == (11, 33)
+
+
+def test_lookalikes_judge_the_questions_turn_not_the_earlier_answer_the_new_tokens_begin_with():
+    # the new tokens: an earlier answer naming block 21's name (50003), a turn token, the question's turn
+    turn, new = 60000, [50003, 60000, *[7] * 32]
+    args = dict(edits=TEMPLATE, blocks=LONG, view_lookalikes="drop", view_select_blocks=2, view_tokens=32 * BT)
+    views, prompt = coordinator(**args)  # room for the new tokens without ingesting them first
+    assert step(views, prompt[:-4] + new, [template_scores()])[-1].ranked == (11, 21)  # turns unknown: asked
+    views, prompt = coordinator(vocabulary=lambda: Vocabulary(LINES, turns=np.array([turn])), **args)
+    assert step(views, prompt[:-4] + new, [template_scores()])[-1].ranked == (11, 33)
 
 
 def test_the_lead_block_is_the_one_the_questions_end_names_not_the_first_probes_best():

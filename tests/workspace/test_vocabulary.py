@@ -32,6 +32,9 @@ def test_every_word_is_an_id_spelling_it_and_special_tokens_are_their_own(tokeni
     assert len(changed) > 1000
     assert all(texts[i].lstrip(" _") == texts[vocab.words[i]].lstrip(" _") for i in changed)
     assert all(vocab.words[i] == i for i in tokenizer.all_special_ids)
+    assert set(tokenizer.all_special_ids) <= set(vocab.turns.tolist())
+    assert {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")} <= set(vocab.turns.tolist())
+    assert np.all(np.diff(vocab.turns) > 0)
     expected = break_token_ids(tokenizer)
     assert all(np.array_equal(getattr(vocab.breaks, f), getattr(expected, f))
                for f in ("whole", "closes", "opens", "newlines"))

@@ -45,8 +45,14 @@ and ` MIN` are one term; or the id itself), for the step's new tokens (the
 * A **template token** is a gathered token of the lead lines outside the
   asked name that at least `TEMPLATE_BLOCKS` of the top's blocks hold about
   something else than the asked name.
+* The **question** is the query from the start of the chat turn that holds
+  its last `QUESTION_TOKENS` (after the last turn token, a special token of
+  the tokenizer, before them; the whole query where none is known or
+  there): the asked turn and the answer's start, not the previous exchange
+  or the history's end that the query can begin with, whose names are not
+  asked (an earlier answer names the chain it followed).
 * A **distinctive token** is a rare token of the lead lines or of the
-  query that is neither a template token nor of the asked name.
+  question that is neither a template token nor of the asked name.
 * A candidate's **lines** are its block with the rest of the lines its
   boundaries cut, where the caller gives them (`spans`); else the block.
 * A **look-alike** is a candidate not holding lead lines whose lines hold a
@@ -136,9 +142,20 @@ def lead_block(history: np.ndarray, best: Sequence[int], query: Sequence[int], b
     return best[int(np.argmax(scores))]  # the first of the highest: the better ranked
 
 
+def question_of(query: Sequence[int] | np.ndarray, turns: np.ndarray | None) -> np.ndarray:
+    """The question of `query` (see the module's definitions); `turns`: the
+    tokenizer's turn tokens (sorted int64 ids), None: the whole query."""
+    query = np.asarray(query, dtype=np.int64)
+    if turns is None:
+        return query
+    first = max(len(query) - QUESTION_TOKENS, 0)
+    starts = np.flatnonzero(np.isin(query[: first + 1], turns))
+    return query[starts[-1] + 1:] if len(starts) else query
+
+
 def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequence[int], lead: tuple[int, int],
                    query: Sequence[int], block_tokens: int, spans: np.ndarray | None = None,
-                   words: np.ndarray | None = None) -> np.ndarray:
+                   words: np.ndarray | None = None, turns: np.ndarray | None = None) -> np.ndarray:
     """Which of `candidates` (block indices of `history`, token ids in
     virtual order) are look-alikes of the lead lines `history[lead[0]:
     lead[1]]` (see the module's definitions). `order`: indices into
@@ -146,8 +163,10 @@ def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequen
     tokens; `spans`: each candidate's lines, `[len(candidates), 2]` token
     ranges (`Passages.line_spans`), None: the blocks alone; `words`: each
     token id's word (`workspace.vocabulary`), by which tokens are terms, None:
-    each id is its own. Bool `[len(candidates)]`."""
+    each id is its own; `turns`: the tokenizer's turn tokens, which delimit
+    the question (`question_of`). Bool `[len(candidates)]`."""
     candidates = np.asarray(candidates, dtype=np.int64)
+    query = question_of(query, turns)
     if words is not None:
         history, query = _as_words(history, words), _as_words(query, words)
     num_blocks = len(history) // block_tokens

@@ -343,7 +343,7 @@ class ViewCoordinator:
             spans = None if lines is None else lines.line_spans(np.asarray(probe.candidates, dtype=np.int64))
             mask = lookalike_mask(job.history_ids, probe.candidates, rank_order(scores), job.lead,
                                   job.prompt[probe.tail_start:], job.budget.block_tokens, spans,
-                                  None if vocab is None else vocab.words)
+                                  *(None, None) if vocab is None else (vocab.words, vocab.turns))
             scores = np.where(mask, -np.inf, scores)
             job.lookalikes = int(mask.sum())
         return scores

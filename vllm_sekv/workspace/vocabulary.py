@@ -8,6 +8,8 @@ one decode of each id of the vocabulary (`Vocabulary.of`).
   `X_MIN`, `(MIN` or `\\n_MIN`, which a byte-pair tokenizer splits into
   different tokens by what precedes it. Look-alikes (`index.lookalikes`)
   compare names by words.
+* `turns`: the tokenizer's special ids, which start and end a chat turn:
+  look-alikes find the question's own turn by them.
 
 Pure numpy after the decode, no vLLM, blocking.
 """
@@ -24,16 +26,18 @@ WORD_PREFIX = " _"  # the characters a token's text may begin with and still spe
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """A tokenizer's break tokens and words (see the module)."""
+    """A tokenizer's break tokens, words and turn tokens (see the module)."""
 
     breaks: BreakTokens
     words: np.ndarray | None = None  # int64 [vocabulary size]; None: each id is its own word
+    turns: np.ndarray | None = None  # sorted int64 special ids; None: unknown (the whole query is the question)
 
     @classmethod
     def of(cls, tokenizer) -> Vocabulary:
         """`tokenizer`'s vocabulary facts (about 2 s for Qwen2.5's 152K ids on a 2-core CPU)."""
         texts, special = decoded_vocabulary(tokenizer)
-        return cls(break_tokens_of(texts, special), words_of(texts, special))
+        return cls(break_tokens_of(texts, special), words_of(texts, special),
+                   np.asarray(sorted(special), dtype=np.int64))
 
 
 def words_of(texts: list[str], special: set[int]) -> np.ndarray:
