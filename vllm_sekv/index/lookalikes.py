@@ -46,11 +46,12 @@ and ` MIN` are one term; or the id itself), for the step's new tokens (the
   asked name that at least `TEMPLATE_BLOCKS` of the top's blocks hold about
   something else than the asked name.
 * The **question** is the query from the start of the chat turn that holds
-  its last `QUESTION_TOKENS` (after the last turn token, a special token of
-  the tokenizer, before them; the whole query where none is known or
-  there): the asked turn and the answer's start, not the previous exchange
-  or the history's end that the query can begin with, whose names are not
-  asked (an earlier answer names the chain it followed).
+  its last `QUESTION_TOKENS`: the tokens after the last *turn token* (a
+  special token of the tokenizer) at or before the first of those; the
+  whole query where turn tokens are unknown or none lies there. It is the
+  asked turn and the answer's start, not the previous exchange or the
+  history's end that the query can begin with, whose names are not asked
+  (an earlier answer names the chain it followed).
 * A **distinctive token** is a rare token of the lead lines or of the
   question that is neither a template token nor of the asked name.
 * A candidate's **lines** are its block with the rest of the lines its
