@@ -341,9 +341,9 @@ class ViewCoordinator:
         if job.drop_lookalikes and job.lead is not None:
             probe, lines, vocab = job.probe, self._history_lines(job), self._vocabulary()
             spans = None if lines is None else lines.line_spans(np.asarray(probe.candidates, dtype=np.int64))
+            words, turns = (None, None) if vocab is None else (vocab.words, vocab.turns)
             mask = lookalike_mask(job.history_ids, probe.candidates, rank_order(scores), job.lead,
-                                  job.prompt[probe.tail_start:], job.budget.block_tokens, spans,
-                                  *(None, None) if vocab is None else (vocab.words, vocab.turns))
+                                  job.prompt[probe.tail_start:], job.budget.block_tokens, spans, words, turns)
             scores = np.where(mask, -np.inf, scores)
             job.lookalikes = int(mask.sum())
         return scores
