@@ -1,6 +1,9 @@
+from pathlib import Path
+
 import pytest
 
-from vllm_sekv.config import SekvConfig, parse_size_bytes
+from vllm_sekv.config import VIEW_PRESETS, SekvConfig
+from vllm_sekv.config_values import parse_size_bytes
 
 
 @pytest.mark.parametrize(
@@ -90,3 +93,27 @@ def test_workspace_codec_fp8_refuses_what_it_cannot_serve_naming_both_keys(extra
         SekvConfig.from_sources({"workspace_codec": "fp8", **extra}, environ={})
     assert other in str(e.value)
     SekvConfig.from_sources({"workspace_codec": "exact", **extra}, environ={})  # exact: both fine
+
+
+QWEN_HEADS = str(Path(__file__).resolve().parents[1] / "benchmarks/results/fidelity/heads/qwen2.5-coder-1.5b.heads.json")
+
+
+def test_the_accurate_view_preset_sets_its_keys_where_no_source_gives_them():
+    cfg = SekvConfig.from_sources({"view_preset": "accurate", "rerank_heads_path": QWEN_HEADS}, environ={})
+    assert VIEW_PRESETS["accurate"] and all(getattr(cfg, k) == v for k, v in VIEW_PRESETS["accurate"].items())
+    given = SekvConfig.from_sources({"view_preset": "accurate", "rerank_heads_path": QWEN_HEADS, "probe_hops": 2},
+                                    environ={"SEKV_VIEW_SELECT_BLOCKS": "16"})
+    assert (given.probe_hops, given.view_select_blocks, given.view_lookalikes) == (2, 16, "drop")
+    from_env = SekvConfig.from_sources({"rerank_heads_path": QWEN_HEADS}, environ={"SEKV_VIEW_PRESET": "accurate"})
+    assert from_env == cfg
+    assert SekvConfig.from_sources({"view_preset": "none"}, environ={}) == SekvConfig()
+
+
+def test_the_accurate_view_preset_needs_the_retrieval_heads_and_names_the_keys_it_set():
+    with pytest.raises(ValueError, match="'view_preset'.*'rerank_heads_path'.*calibrate-heads"):
+        SekvConfig.from_sources({"view_preset": "accurate"}, environ={})
+    with pytest.raises(ValueError, match="'recompute_blocks'.*view_preset 'accurate' sets 'recompute_blocks'"):
+        SekvConfig.from_sources({"view_preset": "accurate", "rerank_heads_path": QWEN_HEADS, "surprisal": "on",
+                                 "coarse": "on"}, environ={})
+    with pytest.raises(ValueError, match="'view_preset': expected one of none, accurate"):
+        SekvConfig.from_sources({"view_preset": "fast"}, environ={})

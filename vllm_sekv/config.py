@@ -18,55 +18,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from vllm_sekv.config_values import parse_choice, parse_float, parse_int, parse_size_bytes
+
 ENV_PREFIX = "SEKV_"
 # SEKV_* variables that are not config keys (read elsewhere, documented there).
 NON_CONFIG_ENV = frozenset({"SEKV_CACHE_DIR", "SEKV_MODEL_PARTS", "SEKV_VENV", "SEKV_TEST_WORKERS", "SEKV_COMMIT"})
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size_bytes(key: str, value: Any) -> int:
-    """`8G` -> 8 * 2**30. Raises ValueError naming `key` on anything else."""
-    if isinstance(value, bool):
-        raise ValueError(f"sekv config '{key}': expected a size like 8G or 512M, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _SIZE_RE.match(str(value))
-        if not m:
-            raise ValueError(
-                f"sekv config '{key}': expected a size like 8G, 512M or a byte count, got {value!r}"
-            )
-        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if n < 0:
-        raise ValueError(f"sekv config '{key}': must not be negative, got {value!r}")
-    return n
-
-
-def _parse_int(key: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"sekv config '{key}': expected an integer, got {value!r}")
-    try:
-        return int(str(value), 10) if not isinstance(value, int) else value
-    except ValueError:
-        raise ValueError(f"sekv config '{key}': expected an integer, got {value!r}") from None
-
-
-def _parse_float(key: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"sekv config '{key}': expected a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"sekv config '{key}': expected a number, got {value!r}") from None
-
-
-def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    if str(value) not in choices:
-        raise ValueError(f"sekv config '{key}': expected one of {', '.join(choices)}, got {value!r}")
-    return str(value)
-
 
 POLICIES = ("slru", "lru")
 RECOMPUTE_LAYOUTS = ("after_recent", "in_order")
@@ -87,6 +43,15 @@ WORKSPACE_CODECS = ("exact", "fp8")
 # `restore_codec` value: each block at the rank its zoom-router tier gives it.
 ROUTER_CODEC = "router"
 _COMBINE_RE = re.compile(r"^(mean|max|top[1-9][0-9]*)$")
+# `view_preset` values -> the keys each sets where no source gives them.
+# "accurate": the views that answered best on histories repeating templates
+# (README, "Views that keep answers right"); with `rerank_heads_path`.
+VIEW_PRESETS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "accurate": {"rerank_blocks": 1024, "probe_hops": 3, "probe_lexical_hop": "on", "view_select_blocks": 32,
+                 "view_passage_blocks": 8, "view_cut_lines": "on", "view_lookalikes": "drop",
+                 "recompute_blocks": 100_000, "recompute_layout": "in_order"},
+}
 
 
 @dataclass(frozen=True)
@@ -274,6 +239,13 @@ class SekvConfig:
     # and the recent window: the view's order changes; computes fewer tokens,
     # answers worse on code).
     recompute_layout: str = "in_order"
+    # A named set of the view keys above (`VIEW_PRESETS`), each applied by
+    # `from_sources` where no source gives the key itself: "accurate" = three probes re-ranked over
+    # the model's retrieval heads (`rerank_heads_path`, required), the
+    # lexical hop, the best 32 blocks with their passages and cut lines,
+    # look-alikes left out, every selected block recomputed in order: a
+    # prefill of the view instead of its restore; "none" = each key's default.
+    view_preset: str = "none"
     # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
     # ("" = no router: the training-free index above selects). Checked here, at
     # start-up: the file must exist and be a valid router file; its model
@@ -322,7 +294,8 @@ class SekvConfig:
     _CHOICES = {"policy": POLICIES, "index_summary": INDEX_SUMMARIES, "restore_mode": RESTORE_MODES,
                 "surprisal": ON_OFF, "coarse": ON_OFF, "view_cut_lines": ON_OFF, "nvme_sync": ON_OFF,
                 "probe_lexical_hop": ON_OFF, "view_lookalikes": LOOKALIKES,
-                "recompute_layout": RECOMPUTE_LAYOUTS, "workspace_codec": WORKSPACE_CODECS}
+                "recompute_layout": RECOMPUTE_LAYOUTS, "workspace_codec": WORKSPACE_CODECS,
+                "view_preset": tuple(VIEW_PRESETS)}
 
     def __post_init__(self) -> None:
         bt = self.block_tokens
@@ -440,6 +413,10 @@ class SekvConfig:
             from vllm_sekv.index.retrieval_heads import read_heads_file
 
             read_heads_file(self.rerank_heads_path)  # raises naming 'rerank_heads_path'
+        if self.view_preset == "accurate" and not self.rerank_heads_path:
+            raise ValueError("sekv config 'view_preset': accurate re-ranks over the model's retrieval heads; "
+                             "set 'rerank_heads_path' to the file `vllm-sekv calibrate-heads MODEL --out PATH` "
+                             "writes (once per model)")
         if self.rerank_blocks and self.router_path:
             raise ValueError("sekv config 'rerank_blocks': the zoom router ranks blocks on its own; "
                              "use rerank_blocks 0 with router_path")
@@ -460,7 +437,8 @@ class SekvConfig:
     def from_sources(
         cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
     ) -> "SekvConfig":
-        """Build from `kv_connector_extra_config`, then `SEKV_*` environment overrides."""
+        """Build from `kv_connector_extra_config`, then `SEKV_*` environment
+        overrides; `view_preset`'s keys where neither gives them."""
         environ = os.environ if environ is None else environ
         known = cls.keys()
         raw: dict[str, Any] = {}
@@ -481,7 +459,15 @@ class SekvConfig:
                     + ", ".join(ENV_PREFIX + k.upper() for k in known)
                 )
             raw[key] = cls._parse(key, value)
-        return cls(**raw)
+        preset = raw.get("view_preset", cls.view_preset)
+        filled = {key: value for key, value in VIEW_PRESETS[preset].items() if key not in raw}
+        try:
+            return cls(**raw, **filled)
+        except ValueError as e:  # name the preset where it set the key the error names
+            named = [key for key in filled if f"'{key}'" in str(e)]
+            if not named:
+                raise
+            raise ValueError(f"{e} (view_preset {preset!r} sets '{named[0]}'; give the key to change it)") from None
 
     @classmethod
     def _parse(cls, key: str, value: Any) -> Any:
@@ -490,10 +476,10 @@ class SekvConfig:
         if key in cls._STRINGS:
             return str(value)
         if key in cls._FLOATS:
-            return _parse_float(key, value)
+            return parse_float(key, value)
         if key in cls._CHOICES:
-            return _parse_choice(key, value, cls._CHOICES[key])
-        return _parse_int(key, value)
+            return parse_choice(key, value, cls._CHOICES[key])
+        return parse_int(key, value)
 
     def to_extra_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -462,7 +462,7 @@ def warn_host_bytes(args, workspaces: list[str]) -> None:
     history's blocks evicted and ingest it again, and its time would measure
     that. Idle sessions' blocks go first (a view step uses its session's
     whole history, `WorkspacePlanner.begin_view_pass`)."""
-    from vllm_sekv.config import parse_size_bytes
+    from vllm_sekv.config_values import parse_size_bytes
 
     per_session = (max(args.lengths) + 4096) * kv_bytes_per_token(args.model)
     have = parse_size_bytes("host_bytes", args.host_bytes)

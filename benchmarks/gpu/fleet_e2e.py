@@ -462,7 +462,7 @@ def main() -> None:
     if args.engine_spec:
         engine_main(json.loads(Path(args.engine_spec).read_text()))
         return
-    from vllm_sekv.config import parse_size_bytes
+    from vllm_sekv.config_values import parse_size_bytes
 
     workdir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="fleet_e2e_"))
     workdir.mkdir(parents=True, exist_ok=True)

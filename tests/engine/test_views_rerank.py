@@ -12,7 +12,8 @@ the question's block, and a view takes every re-ranked block ahead of the
 rest: the block that holds the fact's rare words must be in the final view.
 The same session again with the re-rank combining only the model's retrieval
 heads (`rerank_heads_path`, a file `vllm-sekv calibrate-heads` writes here),
-and a heads file measured on another model stopping the server at start-up.
+a heads file measured on another model stopping the server at start-up, and
+the session under `view_preset` accurate, each key it sets taking effect.
 """
 import numpy as np
 import pytest
@@ -97,3 +98,23 @@ def test_a_heads_file_of_another_model_stops_the_server_at_start_up(model_dir, h
         server.start(timeout_s=300)
     log = server.log_path.read_text(errors="replace")
     assert "sekv config 'rerank_heads_path'" in log and "calibrated on another model" in log
+
+
+@pytest.fixture(scope="module")
+def session_with_preset(tmp_path_factory, model_dir, essay, heads_file):
+    """The session under `view_preset` accurate with the heads; SEKV's own
+    re-rank keys (one candidate, two lexical ones) keep their values."""
+    return _serve(tmp_path_factory, model_dir, essay,
+                  {**SEKV, "view_preset": "accurate", "rerank_heads_path": heads_file}, "sekv-view-preset")
+
+
+def test_the_accurate_preset_serves_views_with_every_key_it_sets(session_with_preset):
+    last = session_with_preset["steps"][2]
+    view = last["kv_transfer_params"]["sekv"]["view"]
+    prompt = last["prompt_token_ids"]
+    assert view["passes"]["probe"] == 3 and view["passes"]["final"] == 1  # probe_hops
+    assert view["lexical_hop_ranked"]  # probe_lexical_hop
+    assert "lookalike_blocks" in view  # view_lookalikes drop (none stands out of a history this short)
+    sink = SEKV["sink_tokens"] // BT
+    assert view["recomputed_blocks"] == len(view["selected_blocks"]) - sink > 0  # every selected block, in order
+    assert len(prompt) > 3 * SEKV["view_tokens"] and view["view_tokens"] <= SEKV["view_tokens"]

@@ -50,7 +50,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_sekv.cli import nvme_sessions as ns
-    from vllm_sekv.config import parse_size_bytes
+    from vllm_sekv.config_values import parse_size_bytes
 
     try:
         if args.action == "delete" and (args.session_id is None) == (not args.all_of_tenant):
