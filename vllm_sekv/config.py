@@ -240,11 +240,12 @@ class SekvConfig:
     # answers worse on code).
     recompute_layout: str = "in_order"
     # A named set of the view keys above (`VIEW_PRESETS`), each applied by
-    # `from_sources` where no source gives the key itself: "accurate" = three probes re-ranked over
-    # the model's retrieval heads (`rerank_heads_path`, required), the
-    # lexical hop, the best 32 blocks with their passages and cut lines,
-    # look-alikes left out, every selected block recomputed in order: a
-    # prefill of the view instead of its restore; "none" = each key's default.
+    # `from_sources` where no source gives the key itself: "accurate" = three
+    # probes re-ranked over the model's retrieval heads (`rerank_heads_path`,
+    # required), the lexical hop, the best 32 blocks with their passages and
+    # cut lines, look-alikes left out, every selected block recomputed in
+    # order: a prefill of the view instead of its restore; "none" = each
+    # key's default.
     view_preset: str = "none"
     # SeKV zoom router file written by `vllm-sekv calibrate MODEL --out PATH`
     # ("" = no router: the training-free index above selects). Checked here, at
