@@ -69,6 +69,9 @@ SEKV_CONFIGS: dict[str, dict] = {
     "views-rerank-rh-lexc": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS), "lexical_candidates": 256},
     # a lexical hop from the first probe's best block among the hops (`probe_lexical_hop`)
     "views-rerank-rh-lexhop": {"rerank_blocks": 1024, "rerank_heads_path": str(HEADS), "probe_lexical_hop": "on"},
+    # the product's one key for that configuration, the lexical hop's with three probes, the best 32
+    # blocks with passages and cut lines, look-alikes dropped, recomputed in order (`view_preset`)
+    "views-accurate": {"view_preset": "accurate", "rerank_heads_path": str(HEADS)},
     # fewer selected blocks, the rest of an 8K view the latest history (as the oracle fills its
     # room): about 120 and 28 selected blocks next to 4K and 7K recent tokens. A history is ingested
     # in chunks of that room too: about 33 and 136 passes for 131072 tokens, against 17

@@ -29,7 +29,7 @@ def test_every_server_configuration_is_valid(run):
     from vllm_sekv.config import SekvConfig
 
     for name, extra in run.SEKV_CONFIGS.items():
-        SekvConfig(**extra)  # raises naming the key
+        SekvConfig.from_sources(extra, environ={})  # raises naming the key
 
 
 def test_every_request_method_runs_on_a_known_server_with_valid_parameters(run):
@@ -40,3 +40,15 @@ def test_every_request_method_runs_on_a_known_server_with_valid_parameters(run):
         assert server in run.SEKV_CONFIGS, name
         config = SekvConfig(**run.SEKV_CONFIGS[server])
         request_params.check(config, 32768, params, None, None)  # raises naming the field
+
+
+def test_the_accurate_preset_is_the_configuration_the_evaluation_measured(run):
+    """`view_preset` accurate serves what the evaluation's best view served
+    through its server's keys and each request's parameters."""
+    from vllm_sekv.config import SekvConfig
+
+    server, params = run.REQUEST_METHODS["views-rerank-rh-lexhop-hop3-sel32-psg8-lines-drop-rcall-ord"]
+    keys = {k: ("on" if v is True else v) for k, v in params.items()}
+    measured = SekvConfig.from_sources({**run.SEKV_CONFIGS[server], **keys}, environ={})
+    preset = SekvConfig.from_sources(run.SEKV_CONFIGS["views-accurate"], environ={})
+    assert preset == SekvConfig.from_sources({**measured.to_extra_config(), "view_preset": "accurate"}, environ={})
