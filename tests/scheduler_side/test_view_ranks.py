@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator, ViewJob
+from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator
+from vllm_sekv.scheduler_side.view_job import ViewJob
 from vllm_sekv.workspace.step_plan import LowRankBlock, lowrank_blocks
 from vllm_sekv.workspace.segments import Segments
 from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass

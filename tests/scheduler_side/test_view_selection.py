@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from vllm_sekv.config import SekvConfig
-from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator, ViewJob
+from vllm_sekv.scheduler_side.view_coordinator import ViewCoordinator
+from vllm_sekv.scheduler_side.view_job import ViewJob
 from vllm_sekv.workspace.view_passes import ViewBudget, final_pass, first_pass
 
 BT = 16
@@ -31,13 +32,13 @@ def probed(lexical_weight: float) -> tuple[ViewCoordinator, ViewJob]:
 
 def test_without_lexical_weight_the_index_scores_choose_alone():
     views, job = probed(0.0)
-    assert views._selection_scores(job) is job.scores
+    assert views.ranking.selection_scores(job) is job.scores
     assert 5 not in final_pass(job.probe, job.scores.tolist(), BUDGET).history_blocks
 
 
 def test_lexical_weight_brings_the_block_holding_the_new_tokens_rare_ids_into_the_view():
     views, job = probed(1.0)
-    scores = views._selection_scores(job)
+    scores = views.ranking.selection_scores(job)
     assert len(scores) == len(job.probe.candidates)
     assert 5 in final_pass(job.probe, scores.tolist(), BUDGET).history_blocks
 
@@ -48,15 +49,15 @@ def test_lexical_candidates_mark_the_block_holding_the_new_tokens_rare_ids_for_t
                         lexical_candidates=count)
     views = ViewCoordinator(config, planner=None, tenant_of=str, window_tokens=4096, capacity_tokens=4096)
     _, job = probed(0.0)
-    probe = views._with_lexical_candidates(job, first_pass(len(job.prompt), 60, BUDGET))
+    probe = views.ranking.with_lexical_candidates(job, first_pass(len(job.prompt), 60, BUDGET))
     marked = [probe.candidates[i] for i in probe.rerank_extra]
     assert len(marked) == count and 5 in marked  # the block holding the rare ids, then its window's
     assert list(probe.rerank_extra) == sorted(probe.rerank_extra)
     assert probe.candidates == job.probe.candidates and probe.history_blocks == job.probe.history_blocks
-    unmarked = views._with_lexical_candidates(job, final_pass(job.probe, job.scores.tolist(), BUDGET))
+    unmarked = views.ranking.with_lexical_candidates(job, final_pass(job.probe, job.scores.tolist(), BUDGET))
     assert unmarked.rerank_extra == ()  # only a probe's candidates are marked
 
 
 def test_without_lexical_candidates_a_probe_marks_none():
     views, job = probed(0.0)
-    assert views._with_lexical_candidates(job, job.probe) is job.probe
+    assert views.ranking.with_lexical_candidates(job, job.probe) is job.probe

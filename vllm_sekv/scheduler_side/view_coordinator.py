@@ -1,6 +1,7 @@
 """Execution views, scheduler side: one job per request served from views.
 
-A request whose prompt is longer than its view budget becomes a `ViewJob`.
+A request whose prompt is longer than its view budget becomes a `ViewJob`
+(`view_job`).
 The job runs the request as a series of passes (`workspace.view_passes`): each time
 vLLM asks the connector for matched tokens (`next_pass`), the job chooses the
 pass, rewrites the request's tokens into it (with a cache salt of its own, so
@@ -9,7 +10,8 @@ pass to the planner, which restores its history part with re-RoPE. When a
 non-sampling pass has computed its last token, the scheduler hook takes the
 request out of the engine and queues it again (`passes_done`, `pass_done`);
 the next `next_pass` continues. The last pass samples, and its new and
-generated tokens are saved at their virtual positions.
+generated tokens are saved at their virtual positions. Which history blocks
+a probe's hop or the final view takes is `view_ranking`'s.
 
 Runs in the engine-core process on the scheduler thread; every call is
 blocking and cheap, except scoring results (`set_scores`), which combine one
@@ -18,8 +20,6 @@ row per (layer, query head).
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -28,79 +28,21 @@ import torch
 from vllm_sekv import compat, request_params
 from vllm_sekv.config import ROUTER_CODEC, SekvConfig
 from vllm_sekv.store.codecs import parse_codec
-from vllm_sekv.workspace.coarse_plan import CoarsePlan, plan_summaries
-from vllm_sekv.workspace.hashing import JoinedTokens
-from vllm_sekv.workspace.step_plan import LowRankBlock, lowrank_blocks
+from vllm_sekv.workspace.coarse_plan import plan_summaries
+from vllm_sekv.workspace.step_plan import lowrank_blocks
 from vllm_sekv.workspace.planner import WorkspacePlanner
-from vllm_sekv.workspace.passages import Passages
 from vllm_sekv.workspace.vocabulary import Vocabulary
 from vllm_sekv.workspace.segments import anchors_by_surprisal, segment
-from vllm_sekv.index import lexical
 from vllm_sekv.index.block_summaries import combine_heads
-from vllm_sekv.index.lookalikes import LEAD_CANDIDATES, lead_block, lookalike_mask
+from vllm_sekv.scheduler_side.view_job import ViewJob
+from vllm_sekv.scheduler_side.view_ranking import ViewRanking
 from vllm_sekv.workspace.view_passes import (
-    PassKind, ViewBudget, ViewPass, final_pass, first_pass, hop_probe, interleave_hops, rank_order, truncated_pass,
+    PassKind, ViewBudget, ViewPass, final_pass, first_pass, hop_probe, rank_order, truncated_pass,
 )
 
 logger = logging.getLogger("vllm_sekv")
 
 PROBE_RANKED = 128  # best candidates of each probe a multi-hop view's response reports (`probe_ranked`)
-
-
-@dataclass
-class ViewJob:
-    req_id: str
-    prompt: list[int]  # the full prompt: history + new tokens, virtual positions 0..
-    tenant: str  # the client's tenant key (`workspace.tenants`), for the workspace's hashes
-    session_id: str | None
-    budget: ViewBudget
-    current: ViewPass | None = None  # None: chosen at the next `next_pass`
-    probe: ViewPass | None = None  # the last probe run (every hop scores the same candidates)
-    scores: np.ndarray | None = None  # the running probe's report: combined relevance of its candidates
-    hop_scores: list[np.ndarray] = field(default_factory=list)  # each finished probe's scores, in order
-    lexical_hop: np.ndarray | None = None  # the lexical hop's scores (`probe_lexical_hop`), after the first probe
-    lead: tuple[int, int] | None = None  # the lead lines' tokens (`index.lookalikes`): the lexical hop's start
-    drop_lookalikes: bool = False  # leave the lead lines' look-alikes out (server setting, likewise)
-    lookalikes: int = 0  # candidates the last ranking left out as look-alikes
-    history_ids: np.ndarray | None = None  # the history's token ids (int64), made once where the lead block is chosen
-    probe_hops: int = 1  # probes before the final view (server setting, a request may choose its own)
-    hop_gain: float = 0.0  # how a later hop favours what it lifts (`interleave_hops`; likewise)
-    context_blocks: int = 0  # neighbours each selected block brings (server setting, likewise)
-    passage_blocks: int = 0  # most blocks of its passage each selected block brings (likewise)
-    select_blocks: int = 0  # most blocks a view selects, 0: its room (likewise)
-    passages: Passages | None = None  # the history's passages, found at the first probe that needs them
-    cut_lines: bool = False  # complete the lines the selected blocks' boundaries cut (likewise)
-    lines: Passages | None = None  # the history's lines, found where the lead lines or the final view need them
-    ranks: np.ndarray | None = None  # the zoom router's rank per probe candidate (<= 0: exact); None: no report
-    num_passes: dict[str, int] = field(default_factory=dict)
-    # [kind, chosen, done] of each pass, seconds since admission (done: None
-    # for the sampling pass); where a view step's time goes.
-    timeline: list[list] = field(default_factory=list)
-    admitted_at: float = field(default_factory=time.monotonic)
-    prefilled_tokens: int = 0  # prompt tokens computed, over all passes
-    ingested_to: int = 0  # virtual end of the last ingest pass
-    truncated: bool = False  # the workspace could not hold the history (see `next_pass`)
-    coarse: bool = False  # SeKV summaries for the left-out history (server setting, request may opt out)
-    # Selected blocks the final view recomputes, and whether in virtual order
-    # (server settings, a request may choose its own; never with coarse).
-    recompute_blocks: int = 0
-    recompute_in_order: bool = False
-    # The final view's SeKV parts (`_final_pass`): its summaries and its
-    # lossily restored blocks (virtual block -> rank, pieces); None for other passes.
-    coarse_plan: CoarsePlan | None = None
-    lowrank: dict[int, LowRankBlock] | None = None
-    # BM25 scores of the probe's candidates against its new tokens (`lexical_weight`,
-    # `lexical_candidates`): computed once per probe, keyed by its tail's start.
-    lexical: tuple[int, np.ndarray] | None = None
-
-    def virtual_tokens(self, request: Any) -> JoinedTokens:
-        """The full history in virtual order, prompt then generated tokens
-        (joined, not copied: asked for at every new block)."""
-        return JoinedTokens(self.prompt, request.output_token_ids)
-
-    def seconds(self) -> float:
-        """Seconds since admission, to the millisecond."""
-        return round(time.monotonic() - self.admitted_at, 3)
 
 
 class ViewCoordinator:
@@ -131,33 +73,7 @@ class ViewCoordinator:
         # restore_codec "lowrank(r)": r; 0 for "exact" and "router" (ranks per block).
         codec = config.restore_codec
         self.codec_rank = 0 if codec in ("exact", ROUTER_CODEC) else parse_codec(codec).rank
-        self._read_vocabulary = vocabulary
-        self._vocab: Vocabulary | None = None
-        needs_breaks = [key for key, on in (("view_passage_blocks", bool(config.view_passage_blocks)),
-                                            ("view_cut_lines", config.view_cut_lines == "on")) if on]
-        if needs_breaks and vocabulary is None:
-            raise ValueError(f"sekv config '{needs_breaks[0]}': this server has no tokenizer to find "
-                             f"passage and line breaks with")
-        if needs_breaks or (config.view_lookalikes == "drop" and vocabulary is not None):
-            self._vocab = self._read()
-
-    def _read(self) -> Vocabulary:
-        started = time.monotonic()
-        vocab = self._read_vocabulary()
-        logger.info("sekv: the tokenizer's break tokens and words found in %.1f s", time.monotonic() - started)
-        return vocab
-
-    def _vocabulary(self) -> Vocabulary | None:
-        """The tokenizer's break tokens and words, read at the first call; None where it
-        cannot be loaded (logged once: no passages or cut lines, look-alikes by token ids)."""
-        if self._vocab is None and self._read_vocabulary is not None:
-            try:
-                self._vocab = self._read()
-            except Exception as e:  # noqa: BLE001 - a request must not stop the engine
-                logger.warning("sekv: no passage or line breaks (%s); views take selected blocks without "
-                               "their passages or cut lines, and look-alikes compare token ids", e)
-                self._read_vocabulary = None
-        return self._vocab
+        self.ranking = ViewRanking(config, vocabulary)
 
     # ------------------------------------------------------------ admission
 
@@ -226,40 +142,6 @@ class ViewCoordinator:
             return 0 if passage else cfg.view_context_blocks, passage
         return context, passage
 
-    def _passages(self, job: ViewJob) -> Passages | None:
-        """The job's history passages, where it asks for them (found once
-        per job: its history does not change between passes)."""
-        if not job.passage_blocks:
-            return None
-        if job.passages is None:
-            vocab = self._vocabulary()
-            if vocab is None:
-                job.passage_blocks = 0
-                return None
-            job.passages = Passages(job.prompt[: job.probe.tail_start], vocab.breaks, job.budget.block_tokens)
-        return job.passages
-
-    def _history_lines(self, job: ViewJob) -> Passages | None:
-        """The job's history lines (found once per job); None where the
-        tokenizer's breaks are unknown."""
-        if job.lines is None and (vocab := self._vocabulary()) is not None:
-            job.lines = Passages(job.prompt[: job.probe.tail_start], vocab.breaks.lines(), job.budget.block_tokens)
-        return job.lines
-
-    def _lines(self, job: ViewJob) -> Passages | None:
-        """The job's history lines, where it asks for them."""
-        if not job.cut_lines:
-            return None
-        lines = self._history_lines(job)
-        job.cut_lines = lines is not None
-        return lines
-
-    def _lead_lines(self, job: ViewJob, lead: int) -> tuple[int, int]:
-        """The tokens of block `lead` with the rest of the lines its
-        boundaries cut (the block alone where the tokenizer's breaks are unknown)."""
-        lines, bt = self._history_lines(job), job.budget.block_tokens
-        return (lead * bt, (lead + 1) * bt) if lines is None else lines.line_span(lead)
-
     def _pass_salt(self, job: ViewJob) -> str:
         n = sum(job.num_passes.values())
         return f"{job.tenant}\x00sekv-view:{job.req_id}:{n}"
@@ -272,8 +154,8 @@ class ViewCoordinator:
         job = self.jobs[request.request_id]
         if job.current is None:
             if job.probe is not None and len(job.hop_scores) < job.probe_hops:
-                view = hop_probe(job.probe, self._selection_scores(job), job.budget, job.context_blocks,
-                                 self._passages(job), job.passage_blocks)
+                view = hop_probe(job.probe, self.ranking.selection_scores(job), job.budget, job.context_blocks,
+                                 self.ranking.passages(job), job.passage_blocks)
             elif job.probe is not None:
                 view = self._final_pass(job)
             else:
@@ -292,7 +174,7 @@ class ViewCoordinator:
                         job.req_id)
                     view = truncated_pass(len(job.prompt), matched, job.budget)
                 else:
-                    view = self._with_lexical_candidates(job, first_pass(len(job.prompt), matched, job.budget))
+                    view = self.ranking.with_lexical_candidates(job, first_pass(len(job.prompt), matched, job.budget))
             if view.kind is PassKind.INGEST:
                 job.ingested_to = view.tail_start + view.tail_tokens
             job.current = view
@@ -316,10 +198,10 @@ class ViewCoordinator:
         segments = segment(surprisal, cfg.anchor_alpha) if surprisal is not None and len(surprisal) else None
         anchors = anchors_by_surprisal(segments, surprisal) if cfg.anchor_percent else []
         coarse_room = budget.view_tokens * cfg.coarse_percent // 100 if job.coarse and segments is not None else 0
-        view = final_pass(job.probe, self._selection_scores(job), budget, job.context_blocks, anchors,
+        view = final_pass(job.probe, self.ranking.selection_scores(job), budget, job.context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
-                          job.recompute_in_order, self._passages(job), job.passage_blocks, job.select_blocks,
-                          self._lines(job))
+                          job.recompute_in_order, self.ranking.passages(job), job.passage_blocks, job.select_blocks,
+                          self.ranking.lines(job))
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)
@@ -327,47 +209,6 @@ class ViewCoordinator:
             job.lowrank = lowrank_blocks(view.history_blocks, view.block_tokens, segments,
                                          self._block_ranks(job, view))
         return view
-
-    def _selection_scores(self, job: ViewJob) -> np.ndarray:
-        """The finished probes' candidate scores (their hops interleaved, the
-        lexical hop after the first), fused with the candidates' lexical
-        scores against the new tokens where `lexical_weight` is set; the
-        lead lines' look-alikes at -inf where the job drops them."""
-        hops = job.hop_scores if job.lexical_hop is None else [job.hop_scores[0], job.lexical_hop,
-                                                                 *job.hop_scores[1:]]
-        scores = interleave_hops(hops, job.hop_gain)
-        if self.config.lexical_weight:
-            scores = lexical.fuse(scores, self._lexical_scores(job, job.probe), self.config.lexical_weight)
-        if job.drop_lookalikes and job.lead is not None:
-            probe, lines, vocab = job.probe, self._history_lines(job), self._vocabulary()
-            spans = None if lines is None else lines.line_spans(np.asarray(probe.candidates, dtype=np.int64))
-            words, turns = (None, None) if vocab is None else (vocab.words, vocab.turns)
-            mask = lookalike_mask(job.history_ids, probe.candidates, rank_order(scores), job.lead,
-                                  job.prompt[probe.tail_start:], job.budget.block_tokens, spans, words, turns)
-            scores = np.where(mask, -np.inf, scores)
-            job.lookalikes = int(mask.sum())
-        return scores
-
-    def _with_lexical_candidates(self, job: ViewJob, view: ViewPass) -> ViewPass:
-        """A probe with the `lexical_candidates` candidates that BM25 ranks
-        best against its new tokens marked for the re-rank (ties: the
-        earliest); any other pass unchanged."""
-        count = self.config.lexical_candidates
-        if not count or view.kind is not PassKind.PROBE or not view.candidates:
-            return view
-        scores = self._lexical_scores(job, view)
-        best = np.argsort(-scores, kind="stable")[:count]
-        return replace(view, rerank_extra=tuple(sorted(best[scores[best] > 0].tolist())))
-
-    @staticmethod
-    def _lexical_scores(job: ViewJob, probe: ViewPass) -> np.ndarray:
-        """BM25 score of each of `probe`'s candidates against its new tokens
-        (`index.lexical.block_scores`), computed once per probe."""
-        if job.lexical is None or job.lexical[0] != probe.tail_start:
-            history = np.asarray(job.prompt[: probe.tail_start], dtype=np.int64)
-            scores = lexical.block_scores(history, job.prompt[probe.tail_start:], job.budget.block_tokens)
-            job.lexical = (probe.tail_start, scores[list(probe.candidates)])
-        return job.lexical[1]
 
     def _block_ranks(self, job: ViewJob, view: ViewPass) -> dict[int, int]:
         """Virtual block -> rank of the view's history blocks that a lossy
@@ -413,14 +254,8 @@ class ViewCoordinator:
             job.probe = job.current
             job.hop_scores.append(job.scores)
             job.scores = None
-            candidates, hop = job.probe.candidates, self.config.probe_lexical_hop == "on"
-            if len(job.hop_scores) == 1 and candidates and (hop or job.drop_lookalikes):
-                job.history_ids = history = np.asarray(job.prompt[: job.probe.tail_start], dtype=np.int64)
-                best = [candidates[i] for i in rank_order(job.hop_scores[0])[:LEAD_CANDIDATES]]
-                job.lead = self._lead_lines(job, lead_block(history, best, job.prompt[job.probe.tail_start:],
-                                                            job.budget.block_tokens))
-                if hop:
-                    job.lexical_hop = lexical.hop_scores(history, job.lead, candidates, job.budget.block_tokens)
+            if len(job.hop_scores) == 1:
+                self.ranking.first_probe_done(job)
         job.current = None
         # vLLM looks the request up in its prefix cache before asking for its
         # next pass: the finished pass's blocks (cached under its salt) must not match.
