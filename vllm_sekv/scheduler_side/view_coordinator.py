@@ -51,10 +51,9 @@ class ViewCoordinator:
         capacity_tokens: int, vocabulary: Callable[[], Vocabulary] | None = None,
     ) -> None:
         """`vocabulary`: returns the tokenizer's break tokens and words
-        (`Vocabulary.of`); called once, at start-up when the server sets
-        `view_passage_blocks`, `view_cut_lines` or `view_lookalikes` drop,
-        else at the first request that asks for one of them. None: no request
-        may ask for passages or lines, and look-alikes compare token ids."""
+        (`Vocabulary.of`), for the probes' ranking (`ViewRanking`, which says
+        when it calls it); None: no request may ask for passages or lines, and
+        look-alikes compare token ids."""
         self.config = config
         self.planner = planner
         self.tenant_of = tenant_of  # a client's cache salt -> its tenant key
