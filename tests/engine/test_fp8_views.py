@@ -8,7 +8,7 @@ import pytest
 
 from test_views_serve import ENV, VLLM_ARGS
 from testbed.hardware import FP8_CACHE_SKIP_REASON, fp8_kv_cache_supported
-from views_session import NATIVE_WINDOW, needle_block, run_reader_session
+from views_session import NATIVE_WINDOW, VIEW, needle_block, run_reader_session
 from views_session import sekv_params as sekv
 
 pytestmark = pytest.mark.engine
@@ -33,16 +33,24 @@ def session_over_fp8_cache(model_dir, eval_tasks):
     if not fp8_kv_cache_supported():
         pytest.skip(FP8_CACHE_SKIP_REASON)
     return run_reader_session(model_dir, eval_tasks, {"workspace_codec": "fp8"},
-                              VLLM_ARGS + ["--kv-cache-dtype", "fp8"], ENV)
+                              VLLM_ARGS + ["--kv-cache-dtype", "fp8"], ENV, {**VIEW, "view_cut_lines": True})
 
 
 def test_over_an_fp8_kv_cache_a_view_of_the_caches_own_bytes_answers_the_same_fact(session_over_fp8_cache,
                                                                                     eval_tasks):
     """`--kv-cache-dtype fp8`: the workspace keeps the cache's bytes, and a
     view restores them with keys dequantized, re-RoPE'd and rounded again
-    to the layer scale; the pass key is selected and answered as above."""
+    to the layer scale; the pass key is selected and answered as above.
+
+    The pass key's line ("The pass key is N. Remember it. N is the pass
+    key.") spans two blocks, and SmolLM2 answers from this view only with
+    both. Which of the near-tied blocks the index ranks in depends on the
+    cache's fp8 bytes, which depend on the CPU's thread count (one thread
+    per engine under pytest-xdist, two alone): the requests cut no lines
+    (`view_cut_lines`), so the view holds the whole line and the answer
+    tests the restored bytes, not the tie."""
     tok, task, _, _, answer, _ = session_over_fp8_cache
     block, _ = needle_block(tok, eval_tasks, task)
     assert sekv(answer)["prefilled_tokens"] < 200
-    assert block in sekv(answer)["view"]["selected_blocks"]
+    assert {block, block + 1} <= set(sekv(answer)["view"]["selected_blocks"])
     assert eval_tasks.is_correct(task.answer, answer["choices"][0]["message"]["content"]), answer["choices"]

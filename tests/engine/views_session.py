@@ -53,10 +53,10 @@ def needle_block(tok, tasks, task):
     return starts[0] // BT, len(ids) - starts[0]
 
 
-def run_reader_session(model_dir, eval_tasks, sekv, vllm_args, env):
+def run_reader_session(model_dir, eval_tasks, sekv, vllm_args, env, view=VIEW):
     """(tokenizer, task, step responses, 1-token answer, answer, answer after the edit);
     the last response carries the server's `vllm:sekv_*` counters at the end
-    (`server_metrics`)."""
+    (`server_metrics`). `view`: every request's `kv_transfer_params`."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -66,10 +66,10 @@ def run_reader_session(model_dir, eval_tasks, sekv, vllm_args, env):
         ends = tool_turn_ends(task.messages)
         for end in ends[3::4] + [ends[-1]]:  # a few documents per step
             body = {"model": model_dir, "messages": task.messages[:end], "max_tokens": 6,
-                    "temperature": 0, "session_id": "reader", "kv_transfer_params": VIEW}
+                    "temperature": 0, "session_id": "reader", "kv_transfer_params": view}
             steps.append(post(server.url, "/v1/chat/completions", body))
         question = {"model": model_dir, "messages": task.messages, "temperature": 0,
-                    "session_id": "reader", "kv_transfer_params": VIEW,
+                    "session_id": "reader", "kv_transfer_params": view,
                     "continue_final_message": True, "add_generation_prompt": False}
         counter = restore_seconds_counter(server.url)
         one = post(server.url, "/v1/chat/completions", {**question, "max_tokens": 1})
