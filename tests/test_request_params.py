@@ -88,3 +88,12 @@ def test_a_requests_cut_lines():
     for bad in ("on", 1, 0.0):
         with pytest.raises(RequestParamError, match="^kv_transfer_params.view_cut_lines: expected true or false"):
             parse({"view_cut_lines": bad})
+
+
+def test_a_requests_question_passages():
+    assert parse({"view_question_passages": 8}) == RequestParams(view_question_passages=8)
+    assert parse({}, {"view_question_passages": 0}).view_question_passages == 0  # none
+    for bad in (-1, 65, "8", True, 1.5):
+        with pytest.raises(RequestParamError, match="^kv_transfer_params.view_question_passages: expected an integer "
+                                                    "from 0 to 64"):
+            parse({"view_question_passages": bad})

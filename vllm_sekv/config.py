@@ -28,6 +28,7 @@ POLICIES = ("slru", "lru")
 RECOMPUTE_LAYOUTS = ("after_recent", "in_order")
 MAX_PROBE_HOPS = 3  # probes per view step (`probe_hops`)
 MAX_VIEW_PASSAGE_BLOCKS = 64  # most blocks a selected block's passage brings (`view_passage_blocks`)
+MAX_QUESTION_PASSAGES = 64  # most passages text retrieval adds to a view (`view_question_passages`)
 RESTORE_MODES = ("auto", "layerwise", "batched")
 # Block summaries the views' index can use (`vllm_sekv.index.block_summaries`);
 # those in SURPRISAL_SUMMARIES weight tokens by their surprisal and need
@@ -179,6 +180,11 @@ class SekvConfig:
     # `index.lookalikes`: their template, none of their or the new tokens'
     # rare tokens); "keep": ranked as any.
     view_lookalikes: str = "keep"
+    # Passages a view takes first, beside its selection (0 = off): those Okapi
+    # BM25 ranks best against the question's words (`index.lexical.question_passages`,
+    # pieces of at most 256 tokens), each with what a selected block brings.
+    # Not counted against `view_select_blocks`; loads the tokenizer at start-up.
+    view_question_passages: int = 0
     # Token-level re-rank of a probe's best candidates (0 = off): the index's
     # `rerank_blocks` highest-scoring blocks are scored again by the probe
     # queries' attention over their actual keys (from the host tier, each
@@ -333,6 +339,9 @@ class SekvConfig:
                 f"{self.sink_tokens + self.recent_tokens}; use 0 (the model's window) or at "
                 f"least {self.sink_tokens + self.recent_tokens + 2 * bt}"
             )
+        if not 0 <= self.view_question_passages <= MAX_QUESTION_PASSAGES:
+            raise ValueError(f"sekv config 'view_question_passages': expected 0..{MAX_QUESTION_PASSAGES} "
+                             f"(0: off), got {self.view_question_passages}")
         if not 0 <= self.view_passage_blocks <= MAX_VIEW_PASSAGE_BLOCKS:
             raise ValueError(f"sekv config 'view_passage_blocks': expected 0..{MAX_VIEW_PASSAGE_BLOCKS} "
                              f"(0: off), got {self.view_passage_blocks}")

@@ -7,8 +7,9 @@ coarse attention off, or choose how many selected blocks a view recomputes
 or whether its passage (`view_passage_blocks`), at most how many blocks
 a view selects (`view_select_blocks`), whether they complete the lines
 their boundaries cut (`view_cut_lines`: true or false, where the config key
-says on or off) and whether look-alikes stay (`view_lookalikes`: keep or
-drop) for one request (the config keys of
+says on or off), whether look-alikes stay (`view_lookalikes`: keep or
+drop) and how many passages text retrieval adds (`view_question_passages`)
+for one request (the config keys of
 the same names), in `kv_transfer_params` (or `vllm_xargs`, vLLM's
 `extra_args`), and on vLLM 0.32 in its own `session_id` field:
 
@@ -28,11 +29,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from vllm_sekv.config import LOOKALIKES, MAX_PROBE_HOPS, MAX_VIEW_PASSAGE_BLOCKS, RECOMPUTE_LAYOUTS, SekvConfig
+from vllm_sekv.config import (LOOKALIKES, MAX_PROBE_HOPS, MAX_QUESTION_PASSAGES, MAX_VIEW_PASSAGE_BLOCKS,
+                              RECOMPUTE_LAYOUTS, SekvConfig)
 
 KEYS = ("session_id", "view_tokens", "coarse", "recompute_blocks", "recompute_layout", "probe_hops",
         "probe_hop_gain", "view_context_blocks", "view_passage_blocks", "view_select_blocks", "view_cut_lines",
-        "view_lookalikes")
+        "view_lookalikes", "view_question_passages")
 MAX_SESSION_ID_CHARS = 256
 MAX_VIEW_CONTEXT_BLOCKS = 16
 
@@ -81,6 +83,7 @@ class RequestParams:
     view_cut_lines: bool | None = None  # None: the server's setting
     probe_hop_gain: float | None = None  # None: the server's setting
     view_lookalikes: str | None = None  # None: the server's setting
+    view_question_passages: int | None = None  # None: the server's setting
 
 
 def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None = None,
@@ -154,7 +157,8 @@ def parse(kv_transfer_params: Mapping[str, Any] | None, extra_args: Mapping[str,
         raise RequestParamError(f"{given('view_passage_blocks')[0]}: a selected block brings either its "
                                 f"passage or view_context_blocks neighbours; send one of them")
     return RequestParams(sid, view, coarse, recompute, layout, hops, context, passage, select, lines,
-                         None if gain is None else float(gain), lookalikes)
+                         None if gain is None else float(gain), lookalikes,
+                         ranged("view_question_passages", 0, MAX_QUESTION_PASSAGES))
 
 
 def of_request(request: Any) -> "RequestParams":

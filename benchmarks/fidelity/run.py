@@ -178,6 +178,10 @@ REQUEST_METHODS: dict[str, tuple[str, dict]] = {
     "views-rerank-rh-lexhop-hop3-sel32-psg8-lines-drop-rcall-ord": ("views-rerank-rh-lexhop", {
         "view_select_blocks": 32, "probe_hops": 3, "view_passage_blocks": 8, "view_cut_lines": True,
         "view_lookalikes": "drop", "recompute_blocks": 100000, "recompute_layout": "in_order"}),
+    # the accurate preset with the 4 or 8 passages that text retrieval ranks best for the question taken
+    # first, beside its selection (`view_question_passages`)
+    "views-accurate-qp4": ("views-accurate", {"view_question_passages": 4}),
+    "views-accurate-qp8": ("views-accurate", {"view_question_passages": 8}),
     # a second probe behind the first one's view (`probe_hops`): what the evidence found points to
     "views-rerank-hop2": ("views-rerank", {"probe_hops": 2}),
     "views-rerank-hop2-rcall-ord": ("views-rerank", {"probe_hops": 2, "recompute_blocks": 100000,
@@ -558,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
             row["ranked_blocks"] = view.get("ranked_blocks")
             if view.get("probe_ranked"):  # each probe hop's own best candidates
                 row["probe_ranked"] = view["probe_ranked"]
-            for key in ("lexical_hop_ranked", "lookalike_blocks"):  # the lexical hop's, what was left out
+            # the lexical hop's, what was left out, what text retrieval added
+            for key in ("lexical_hop_ranked", "lookalike_blocks", "question_blocks"):
                 if key in view:
                     row[key] = view[key]
             row["answer_blocks"] = view.get("answer_blocks")

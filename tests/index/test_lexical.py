@@ -89,3 +89,13 @@ def test_a_lexical_hop_from_a_line_cut_by_the_lead_blocks_boundary_follows_the_n
     lines = lexical.hop_scores(tokens, (10 * BT, 11 * BT + 2), candidates, BT)  # with the cut line's rest
     assert candidates[int(np.argmax(alone))] != 40 and candidates[int(np.argmax(lines))] == 40
     assert lines[candidates.index(11)] == -np.inf  # the lead's own line, wherever it lies
+
+
+def test_question_passages_rank_the_passage_holding_the_questions_rarest_terms_first():
+    history = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 5, 12])  # passages begin at 0, 4 and 10
+    # 9 is in one passage, 5 in two: [8, 10) (the second piece of [4, 10)) first, then the shorter of the others
+    assert lexical.question_passages(history, [5, 9, 9], [4, 10], 3, piece_tokens=4) == [(8, 10), (10, 13), (4, 8)]
+    assert lexical.question_passages(history, [5, 9], [4, 10], 1, piece_tokens=4) == [(8, 10)]
+    assert lexical.question_passages(history, [5, 9], [10], 3) == [(0, 10), (10, 13)]  # the first passage begins at 0
+    assert lexical.question_passages(history, [99], [4, 10], 3) == []  # no range without a question term
+    assert lexical.question_passages(history, [5], [4, 10], 0) == []

@@ -335,3 +335,26 @@ def test_lookalikes_are_kept_by_default_and_a_request_may_drop_them():
         SekvConfig.from_sources({"view_lookalikes": "on"})
     with pytest.raises(request_params.RequestParamError, match="kv_transfer_params.view_lookalikes"):
         request_params.parse({"view_lookalikes": True})
+
+
+def test_a_view_takes_the_passage_text_retrieval_ranks_best_for_the_question_first():
+    # block 40 holds the question's two rare words; the probe ranks blocks 11 and 12 best
+    edits = {40 * BT + 3: 50001, 40 * BT + 4: 50002, 20 * BT + 3: 50002}
+    loads = []
+    views, prompt = coordinator(vocabulary=lambda: loads.append(1) or Vocabulary(BREAKS, np.arange(60000),
+                                                                                 np.array([7])),
+                                edits=edits, view_question_passages=1, view_select_blocks=2)
+    assert loads == [1]  # read at start-up: the server adds passages
+    prompt = prompt[:-4] + [50001, 7, 50002, 50001]  # the question: the new tokens after the turn token 7
+    scores = np.zeros(57)
+    scores[[10, 11]] = [2.0, 1.0]  # candidates are blocks 1..57: blocks 11, 12
+    final = step(views, prompt, [scores])[-1]
+    reported = views.finish(SimpleNamespace(request_id="r"))["question_blocks"]
+    # the passage: the tokens after the break token 1050 (at every 97th token, from token 50) up to the next
+    end = 40 * BT + 3 - (40 * BT + 3 - 50) % 97
+    assert reported == list(range((end + 1) // BT, (end + 97) // BT + 1))
+    assert len(reported) == 7 and final.ranked == (*reported, 11)  # room for 8: the passage, then the probe's best
+    views, prompt = coordinator(vocabulary=lambda: Vocabulary(BREAKS, np.arange(60000), np.array([7])),
+                                edits=edits, view_select_blocks=2)
+    final = step(views, prompt[:-4] + [50001, 7, 50002, 50001], [scores])[-1]
+    assert final.ranked == (11, 12) and "question_blocks" not in views.finish(SimpleNamespace(request_id="r"))

@@ -12,8 +12,13 @@ A block's lexical score is its own BM25 score plus that of the window of
 `WINDOW_BLOCKS` blocks centred on it: a passage scores as a whole (every
 block of it shares the window's score, its neighbours too), and within it
 the blocks that hold the query's terms come first. Document frequencies
-count blocks. Pure numpy, blocking, no vLLM imports; inputs are never
-modified.
+count blocks.
+
+`question_passages` ranks the history's passages instead, as text retrieval
+ranks a document's: Okapi BM25 with length normalisation over passages of at
+most `PASSAGE_TOKENS` tokens, against the terms of the question alone (the
+caller maps tokens to words, so a name's pieces are terms whatever precedes
+them). Pure numpy, blocking, no vLLM imports; inputs are never modified.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import numpy as np
 WINDOW_BLOCKS = 8  # blocks per scored window (256 tokens at 32-token blocks): a paragraph
 K1 = 1.2  # BM25 term-frequency saturation
 RRF_K = 60  # reciprocal-rank constant of `fuse` (as in reciprocal-rank fusion)
+PASSAGE_TOKENS = 256  # `question_passages` scores a longer passage in pieces of this many tokens
+LENGTH_NORM = 0.75  # BM25's b: how far `question_passages` discounts a long passage's term counts
 
 
 def block_scores(history: np.ndarray, query: Sequence[int], block_tokens: int,
@@ -100,3 +107,37 @@ def hop_scores(history: np.ndarray, lead: tuple[int, int], candidates: Sequence[
     scores = block_scores(history, np.asarray(history[start:end]), block_tokens, window_blocks=0)[candidates]
     scores[(candidates >= start // block_tokens) & (candidates <= (end - 1) // block_tokens)] = -np.inf
     return scores
+
+
+def question_passages(history: np.ndarray, question: Sequence[int], starts: Sequence[int], count: int,
+                      piece_tokens: int = PASSAGE_TOKENS) -> list[tuple[int, int]]:
+    """The `count` token ranges `[start, end)` of `history` that Okapi BM25
+    ranks best against the terms of `question` (each once), best first
+    (ties: the earlier). The ranges are the passages beginning at `starts`
+    (token indices, ascending; the history's first passage begins at 0
+    whether or not it is given), each cut into pieces of at most
+    `piece_tokens` tokens; a range holding no term of the question is never
+    returned. Document frequencies count ranges."""
+    tokens = np.asarray(history, dtype=np.int64)
+    terms = np.unique(np.asarray(question, dtype=np.int64))
+    if count <= 0 or len(tokens) == 0 or len(terms) == 0:
+        return []
+    starts = np.union1d([0], np.asarray(starts, dtype=np.int64))
+    starts = starts[starts < len(tokens)]
+    lengths = np.diff(np.append(starts, len(tokens)))
+    pieces = -(-lengths // piece_tokens)
+    # piece j of passage p: from starts[p] + j * piece_tokens, at most piece_tokens, within the passage
+    passage = np.repeat(np.arange(len(starts)), pieces)
+    within = np.arange(len(passage)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    first = starts[passage] + within * piece_tokens
+    ends = np.minimum(first + piece_tokens, starts[passage] + lengths[passage])
+    hit = np.flatnonzero(np.isin(tokens, terms))
+    counts = np.zeros((len(first), len(terms)))
+    np.add.at(counts, (np.searchsorted(first, hit, side="right") - 1, np.searchsorted(terms, tokens[hit])), 1.0)
+    df = (counts > 0).sum(axis=0)
+    idf = np.log1p((len(first) - df + 0.5) / (df + 0.5))
+    size = ends - first
+    saturation = K1 * (1 - LENGTH_NORM + LENGTH_NORM * size / size.mean())
+    scores = (idf * counts * (K1 + 1) / (counts + saturation[:, None])).sum(axis=1)
+    best = np.argsort(-scores, kind="stable")[:count]
+    return [(int(first[i]), int(ends[i])) for i in best if scores[i] > 0]

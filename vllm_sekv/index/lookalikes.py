@@ -116,7 +116,7 @@ def _elsewhere(held: np.ndarray, name: np.ndarray) -> np.ndarray:
     return (held & ((others < needed) | (needed == 0))).sum(axis=0)
 
 
-def _as_words(ids: Sequence[int] | np.ndarray, words: np.ndarray) -> np.ndarray:
+def as_words(ids: Sequence[int] | np.ndarray, words: np.ndarray) -> np.ndarray:
     """`ids`' words; an id past the tokenizer's vocabulary (a model's padded
     rows) is its own."""
     ids = np.asarray(ids, dtype=np.int64)
@@ -169,7 +169,7 @@ def lookalike_mask(history: np.ndarray, candidates: Sequence[int], order: Sequen
     candidates = np.asarray(candidates, dtype=np.int64)
     query = question_of(query, turns)
     if words is not None:
-        history, query = _as_words(history, words), _as_words(query, words)
+        history, query = as_words(history, words), as_words(query, words)
     num_blocks = len(history) // block_tokens
     mask = np.zeros(len(candidates), dtype=bool)
     if num_blocks == 0 or len(candidates) == 0:

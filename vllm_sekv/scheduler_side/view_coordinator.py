@@ -117,6 +117,8 @@ class ViewCoordinator:
         job.cut_lines = self.config.view_cut_lines == "on" if params.view_cut_lines is None \
             else params.view_cut_lines
         job.drop_lookalikes = (params.view_lookalikes or self.config.view_lookalikes) == "drop"
+        job.question_passages = self.config.view_question_passages if params.view_question_passages is None \
+            else params.view_question_passages
         if job.coarse and job.recompute_blocks:  # refused at the API (`request_params.check`)
             logger.warning("sekv: request %s asks to recompute blocks beside coarse summaries; its view "
                            "restores them", job.req_id)
@@ -200,7 +202,7 @@ class ViewCoordinator:
         view = final_pass(job.probe, self.ranking.selection_scores(job), budget, job.context_blocks, anchors,
                           budget.view_tokens * cfg.anchor_percent // 100, coarse_room, job.recompute_blocks,
                           job.recompute_in_order, self.ranking.passages(job), job.passage_blocks, job.select_blocks,
-                          self.ranking.lines(job))
+                          self.ranking.lines(job), self.ranking.question_blocks(job))
         if coarse_room:
             job.coarse_plan = plan_summaries(surprisal, view.history_positions(), cfg.anchor_alpha,
                                              view.reserved_tokens)
@@ -316,6 +318,8 @@ class ViewCoordinator:
                                              for i in rank_order(job.lexical_hop)[:PROBE_RANKED]]
             if job.drop_lookalikes:
                 out["lookalike_blocks"] = job.lookalikes
+            if job.question_passages:  # text retrieval's passages, best first, as blocks
+                out["question_blocks"] = job.question_blocks
             if view.recomputed:
                 out["recomputed_blocks"] = len(view.recomputed)
             if view.anchors:

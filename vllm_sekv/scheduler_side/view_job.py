@@ -43,6 +43,8 @@ class ViewJob:
     passages: Passages | None = None  # the history's passages, found at the first probe that needs them
     cut_lines: bool = False  # complete the lines the selected blocks' boundaries cut (likewise)
     lines: Passages | None = None  # the history's lines, found where the lead lines or the final view need them
+    question_passages: int = 0  # passages text retrieval adds to the final view (server setting, likewise)
+    question_blocks: list[int] = field(default_factory=list)  # their blocks, best passage first
     ranks: np.ndarray | None = None  # the zoom router's rank per probe candidate (<= 0: exact); None: no report
     num_passes: dict[str, int] = field(default_factory=dict)
     # [kind, chosen, done] of each pass, seconds since admission (done: None

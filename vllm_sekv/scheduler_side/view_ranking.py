@@ -11,6 +11,8 @@ history blocks in, and the history's text structure that order reads.
   the question names, with the lines it cuts) and the lexical hop from them.
 * `with_lexical_candidates`: BM25's best candidates marked for a probe's
   re-rank (`lexical_candidates`).
+* `question_blocks`: the blocks of the passages BM25 ranks best against the
+  question's words, which the final view takes first (`view_question_passages`).
 * `passages`, `lines`: the job's history in passages and lines
   (`workspace.passages`), from the tokenizer's break tokens and words
   (`workspace.vocabulary`), read once per server.
@@ -28,7 +30,7 @@ import numpy as np
 
 from vllm_sekv.config import SekvConfig
 from vllm_sekv.index import lexical
-from vllm_sekv.index.lookalikes import LEAD_CANDIDATES, lead_block, lookalike_mask
+from vllm_sekv.index.lookalikes import LEAD_CANDIDATES, as_words, lead_block, lookalike_mask, question_of
 from vllm_sekv.scheduler_side.view_job import ViewJob
 from vllm_sekv.workspace.passages import Passages
 from vllm_sekv.workspace.view_passes import PassKind, ViewPass, interleave_hops, rank_order
@@ -48,7 +50,8 @@ class ViewRanking:
         self._read_vocabulary = vocabulary
         self._vocab: Vocabulary | None = None
         needs_breaks = [key for key, on in (("view_passage_blocks", bool(config.view_passage_blocks)),
-                                            ("view_cut_lines", config.view_cut_lines == "on")) if on]
+                                            ("view_cut_lines", config.view_cut_lines == "on"),
+                                            ("view_question_passages", bool(config.view_question_passages))) if on]
         if needs_breaks and vocabulary is None:
             raise ValueError(f"sekv config '{needs_breaks[0]}': this server has no tokenizer to find "
                              f"passage and line breaks with")
@@ -102,6 +105,26 @@ class ViewRanking:
         lines = self._history_lines(job)
         job.cut_lines = lines is not None
         return lines
+
+    def question_blocks(self, job: ViewJob) -> list[int]:
+        """The history blocks of the `job.question_passages` passages that
+        BM25 ranks best against the question's words
+        (`index.lexical.question_passages`; the question as
+        `index.lookalikes.question_of` finds it, words as
+        `workspace.vocabulary` defines them), best passage first, each
+        passage's blocks in order; kept in `job.question_blocks`. Empty where
+        the job asks for none or the tokenizer's words are unknown."""
+        vocab = self.vocabulary() if job.question_passages else None
+        if vocab is None or vocab.words is None:
+            return []
+        bt, tail_start = job.budget.block_tokens, job.probe.tail_start
+        history = as_words(job.prompt[: tail_start // bt * bt], vocab.words)
+        question = as_words(question_of(job.prompt[tail_start:], vocab.turns), vocab.words)
+        passages = self.passages(job) or Passages(job.prompt[:tail_start], vocab.breaks, bt)
+        ranges = lexical.question_passages(history, question, passages.starts, job.question_passages)
+        job.question_blocks = list(dict.fromkeys(b for start, end in ranges for b in range(start // bt,
+                                                                                          (end - 1) // bt + 1)))
+        return job.question_blocks
 
     def _lead_lines(self, job: ViewJob, lead: int) -> tuple[int, int]:
         """The tokens of block `lead` with the rest of the lines its

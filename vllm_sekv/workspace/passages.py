@@ -129,6 +129,11 @@ class Passages:
     def num_passages(self) -> int:
         return len(self._first)
 
+    @property
+    def starts(self) -> np.ndarray:
+        """The token index where each passage begins (ascending, int64; a copy)."""
+        return self._first_token.copy()
+
     def span(self, block: int) -> tuple[int, int]:
         """`(first, last)` block (inclusive) of `block`'s home passage."""
         k = self._home[block]

@@ -261,13 +261,17 @@ def interleave_hops(hops: Sequence[np.ndarray], gain: float = 0.0) -> np.ndarray
 def choose_blocks(
     ranked: Iterable[int], candidates: Container[int], limit: int, room: int, context_blocks: int = 0,
     passages: Passages | None = None, passage_blocks: int = 0, lines: Passages | None = None,
+    first: Sequence[int] = (),
 ) -> list[int]:
     """The blocks a view's selection takes from `ranked` (best first), in
     the order taken: each block with what it brings (`passages.extent`: its
     neighbours or its passage), those among `candidates`, until `limit` are
     taken; with `lines`, each taken block's cut lines (`Passages.cut`) too,
-    not counted against `limit`. Never more than `room` in all."""
-    if not context_blocks and not (passages is not None and passage_blocks > 0) and lines is None:
+    not counted against `limit`. `first`: blocks taken before `ranked`, each
+    with what it brings, none counted against `limit`. Never more than
+    `room` in all."""
+    if (not context_blocks and not (passages is not None and passage_blocks > 0) and lines is None
+            and not len(first)):
         # each block brings itself alone: the first distinct candidates, without `extent`'s tuples
         take, alone = min(limit, room), {}
         for block in ranked:
@@ -277,6 +281,14 @@ def choose_blocks(
                 alone[block] = None
         return list(alone)
     chosen: dict[int, None] = {}
+    for block in first:
+        for b in extent(block, context_blocks, passages, passage_blocks):
+            if len(chosen) < room and b in candidates:
+                chosen.setdefault(b)
+        if lines is not None and block in chosen:
+            for b in lines.cut(block):
+                if len(chosen) < room and b in candidates:
+                    chosen.setdefault(b)
     counted = 0
     for block in ranked:
         for b in extent(block, context_blocks, passages, passage_blocks):
@@ -297,7 +309,7 @@ def final_pass(
     anchors: Sequence[int] = (), anchor_tokens: int = 0, reserved_tokens: int = 0,
     recompute_blocks: int = 0, recompute_in_order: bool = False,
     passages: Passages | None = None, passage_blocks: int = 0, select_blocks: int = 0,
-    lines: Passages | None = None,
+    lines: Passages | None = None, first: Sequence[int] = (),
 ) -> ViewPass:
     """The view after `probe`: sink + the best-scoring candidates (in their
     original order) + recent + the same tail. `scores[i]` rates
@@ -322,6 +334,11 @@ def final_pass(
     chosen block also brings the neighbours holding the rest of a short line
     its boundaries cut (`Passages.cut`), as far as the room goes. They do not
     count against `select_blocks`: they complete what was selected.
+
+    `first`: history blocks the selection takes before the ranked ones (the
+    question's best passages by text retrieval, `view_question_passages`),
+    each with what it brings, as far as the room goes; they do not count
+    against `select_blocks`, and a look-alike among them is kept.
 
     `anchors`: virtual positions of history anchor tokens, most important
     first. Those outside the view's blocks, at most `anchor_tokens` of them,
@@ -356,7 +373,7 @@ def final_pass(
     ranked = np.asarray(probe.candidates, dtype=np.int64)[order].tolist()
     limit = min(room, select_blocks) if select_blocks > 0 else room
     chosen = dict.fromkeys(choose_blocks(ranked, candidates, limit, room, context_blocks, passages,
-                                         passage_blocks, lines))  # in the order chosen
+                                         passage_blocks, lines, first))  # in the order chosen
     # What the selection leaves of the room (`select_blocks`): the latest candidates it did not take.
     latest = list(itertools.islice((b for b in reversed(probe.candidates) if b not in chosen),
                                    max(0, room - len(chosen))))
