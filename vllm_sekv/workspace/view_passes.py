@@ -281,24 +281,25 @@ def choose_blocks(
                 alone[block] = None
         return list(alone)
     chosen: dict[int, None] = {}
-    for block in first:
-        for b in extent(block, context_blocks, passages, passage_blocks):
-            if len(chosen) < room and b in candidates:
-                chosen.setdefault(b)
+
+    def complete_lines(block: int) -> None:  # a taken block's cut lines, uncounted
         if lines is not None and block in chosen:
             for b in lines.cut(block):
                 if len(chosen) < room and b in candidates:
                     chosen.setdefault(b)
+
+    for block in first:
+        for b in extent(block, context_blocks, passages, passage_blocks):
+            if len(chosen) < room and b in candidates:
+                chosen.setdefault(b)
+        complete_lines(block)
     counted = 0
     for block in ranked:
         for b in extent(block, context_blocks, passages, passage_blocks):
             if counted < limit and len(chosen) < room and b in candidates and b not in chosen:
                 chosen[b] = None
                 counted += 1
-        if lines is not None and block in chosen:
-            for b in lines.cut(block):
-                if len(chosen) < room and b in candidates:
-                    chosen.setdefault(b)
+        complete_lines(block)
         if counted >= limit or len(chosen) >= room:
             break
     return list(chosen)
