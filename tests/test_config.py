@@ -117,3 +117,10 @@ def test_the_accurate_view_preset_needs_the_retrieval_heads_and_names_the_keys_i
                                  "coarse": "on"}, environ={})
     with pytest.raises(ValueError, match="'view_preset': expected one of none, accurate"):
         SekvConfig.from_sources({"view_preset": "fast"}, environ={})
+
+
+def test_question_passages_out_of_range_fail_at_start_up_naming_the_key():
+    assert SekvConfig(view_question_passages=64).view_question_passages == 64
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="^sekv config 'view_question_passages': expected 0..64"):
+            SekvConfig(view_question_passages=bad)
